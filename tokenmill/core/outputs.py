@@ -1,0 +1,81 @@
+"""The contracts between the scheduler, the model runner and the engine (plain data, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption
+    (then `token_ids` includes the output so far and its KV is recomputed)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds; only what changed since its last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one engine step, and the only thing it is told.
+
+    Invariants: every scheduled request appears in exactly one of the two lists and in
+    `num_scheduled_tokens`; `total_num_scheduled_tokens` <= the token budget; a request is
+    sampled this step iff its computed + scheduled tokens reach its known token count.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that left since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per sampled request: the new token ids (one without speculation) and optional logprobs."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # Per request, per new token: the top-N (token_id, logprob) pairs.
+    top_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    # For requests that asked: logprobs of the prompt tokens this step's chunk predicted.
+    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    new_prompt_logprobs: list[float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,212 @@
+"""Iteration-level scheduler: which requests run in the next engine step, and how many tokens each.
+
+One policy covers prefill and decode: every running request wants
+`num_tokens - num_computed_tokens` more tokens computed (the whole rest of its prompt, or the one
+token it just sampled). Running requests are served first, oldest first, then waiting ones are
+admitted FCFS while the token budget, `max_num_seqs` and free KV blocks allow. A prompt longer
+than the remaining budget is cut into chunks (chunked prefill), so decode tokens and prefill
+chunks of different requests share a step. When blocks run out, the newest running request is
+preempted: its blocks are freed and it is recomputed later from its prompt + output so far.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tokenmill.core.request import Request, RequestStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served (too long for the model or the KV cache)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept in arrival order: the newest is last
+        # Requests that left since the last schedule(); reported to the runner once.
+        self._finished_req_ids: set[str] = set()
+        self._preempted_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejectedError if it can never fit."""
+        total = request.num_prompt_tokens + request.max_tokens
+        if request.num_prompt_tokens == 0:
+            raise RequestRejectedError("prompt is empty")
+        if total > self.config.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total} "
+                f"exceeds max_model_len {self.config.max_model_len}"
+            )
+        num_blocks = self.kv.num_blocks_for(total)
+        if num_blocks > self.kv.block_pool.num_blocks:
+            raise RequestRejectedError(
+                f"prompt + max_tokens = {total} tokens needs {num_blocks} KV blocks, "
+                f"the cache has {self.kv.block_pool.num_blocks}"
+            )
+        if request.request_id in self.requests:
+            raise RequestRejectedError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_now = False
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(req, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()  # the newest; never one scheduled earlier this step
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+                new_block_ids = self.kv.allocate_slots(req, num_new)
+            if new_block_ids is None:
+                break
+            num_scheduled[req.request_id] = num_new
+            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, first come first served; none while we are preempting.
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            new_block_ids = self.kv.allocate_slots(req, num_new)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival_time)
+            num_scheduled[req.request_id] = num_new
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    token_ids=list(req.all_token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampling_params=req.sampling_params,
+                    eos_token_ids=sorted(req.eos_token_ids),
+                    block_ids=self.kv.get_block_ids(req.request_id),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
+            budget -= num_new
+
+        total = self.config.max_num_batched_tokens - budget
+        assert total == sum(num_scheduled.values()) <= self.config.max_num_batched_tokens
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+        )
+        self._finished_req_ids = set()
+        self._preempted_req_ids = set()
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free all blocks; the request waits at the front of the queue
+        and later recomputes prompt + output so far, so its output is unchanged."""
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._preempted_req_ids.add(req.request_id)
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance every scheduled request by what was computed, append sampled tokens,
+        finish the ones that hit a stop condition and free their blocks."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, num_tokens in sched.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue  # aborted while its step ran
+            req.num_computed_tokens += num_tokens
+            new_token_ids = result.sampled_token_ids.get(req_id, [])
+            prompt_logprobs = result.prompt_logprobs.get(req_id)
+            if not new_token_ids:  # a prefill chunk that did not reach the end of the prompt
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
+                continue
+            status = None
+            accepted: list[int] = []
+            for token_id in new_token_ids:
+                req.append_output_token(token_id)
+                accepted.append(token_id)
+                status = req.check_stop(self.config.max_model_len)
+                if status is not None:
+                    break
+            out = EngineCoreOutput(req_id, accepted, new_prompt_logprobs=prompt_logprobs)
+            if req_id in result.logprobs:
+                out.new_logprobs = result.logprobs[req_id][: len(accepted)]
+            if req_id in result.top_logprobs:
+                out.new_top_logprobs = result.top_logprobs[req_id][: len(accepted)]
+            if status is not None:
+                self._finish(req, status)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = req.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string found by the detokenizer)."""
+        assert status.is_finished
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is not None and not req.is_finished:
+                self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_req_ids.add(req.request_id)

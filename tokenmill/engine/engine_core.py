@@ -1,0 +1,73 @@
+"""The engine step: schedule -> execute -> update, over token ids only (no text)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint):
+        arch = checkpoint.config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        if self.device == "cpu":
+            torch.set_num_threads(config.resolved_num_threads())
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ConfigError(
+                "max_model_len",
+                f"{self.max_model_len} exceeds the model's context length {arch.max_position_embeddings}",
+            )
+        self.config = config
+        self.runner = ModelRunner(config, checkpoint, self.device, self.dtype, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_cache_manager,
+        )
+        logger.info(
+            "engine ready: %s on %s (%s, %d threads), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
+            "(%.0f MiB), max_model_len %d",
+            checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.load_seconds,
+            self.runner.num_blocks, config.block_size,
+            self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20, self.max_model_len,
+        )
+
+    def add_request(self, request: Request) -> None:
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise RequestRejectedError(
+                f"prompt of {request.num_prompt_tokens} tokens exceeds max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
+            )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute_model(scheduled)
+        return self.scheduler.update(scheduled, result)

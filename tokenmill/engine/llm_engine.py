@@ -1,0 +1,218 @@
+"""Text in, text out around EngineCore: tokenize and validate prompts, fan out n samples,
+detokenize incrementally, apply stop strings, and assemble RequestOutputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.models.loader import load_checkpoint
+from tokenmill.models.registry import resolve_model
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class InvalidPromptError(ValueError):
+    """A prompt the engine cannot take; `field` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: a child request in the core."""
+
+    child_id: str
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    prompt_logprobs: list[float | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.completion.finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = resolve_model(config.model)
+        checkpoint = load_checkpoint(path)
+        self.model_path = path
+        self.tokenizer = checkpoint.tokenizer
+        self.eos_token_ids = list(checkpoint.config.eos_token_ids)
+        self.vocab_size = checkpoint.config.vocab_size
+        self.core = EngineCore(config, checkpoint)
+        self.max_model_len = self.core.max_model_len
+        self._requests: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, tuple[_RequestState, _Sample]] = {}
+
+    # -- input ----------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidPromptError("prompt", "prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidPromptError("prompt", "prompt is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidPromptError("prompt", f"token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        return None, token_ids
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not messages:
+            raise InvalidPromptError("messages", "messages is empty")
+        if not self.tokenizer.chat_template:
+            raise InvalidPromptError("messages", f"model {self.model_path.name} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, chat: bool = False) -> None:
+        """Validate and queue a request. Raises InvalidPromptError, SamplingParamsError or
+        RequestRejectedError (all ValueErrors) without touching any other request."""
+        if request_id in self._requests:
+            raise InvalidPromptError("request_id", f"request id {request_id!r} is already in use")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+            if bad:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
+        if chat:  # the chat template already placed every special token
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=time.monotonic()))
+        if params.prompt_logprobs:
+            state.prompt_logprobs = [None]  # the first prompt token has no context to predict it
+        children: list[Request] = []
+        for index in range(params.n):
+            child_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index
+            )
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            children.append(Request(child_id, token_ids, child_params, self.eos_token_ids, max(max_tokens, 1), state.metrics.arrival_time))
+            completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
+            if params.logprobs is not None:
+                completion.cumulative_logprob = 0.0
+            state.samples.append(_Sample(child_id, completion, IncrementalDetokenizer(self.tokenizer, token_ids, child_params)))
+        added: list[str] = []
+        try:
+            for child in children:
+                self.core.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.core.abort_requests(added)
+            raise
+        self._requests[request_id] = state
+        for sample in state.samples:
+            self._child_to_parent[sample.child_id] = (state, sample)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is None:
+                continue
+            self.core.abort_requests([s.child_id for s in state.samples])
+            for s in state.samples:
+                self._child_to_parent.pop(s.child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; return an output for every request that progressed."""
+        for state in self._requests.values():
+            for s in state.samples:
+                s.completion.delta_text = ""
+                s.completion.delta_token_ids = []
+        now = time.monotonic()
+        touched: dict[str, _RequestState] = {}
+        stopped_by_string: list[str] = []
+        for out in self.core.step():
+            entry = self._child_to_parent.get(out.req_id)
+            if entry is None:
+                continue
+            state, sample = entry
+            if out.new_prompt_logprobs and sample is state.samples[0]:  # all samples compute the same
+                state.prompt_logprobs.extend(out.new_prompt_logprobs)
+            if not out.new_token_ids:
+                continue
+            if self._process(sample, out):
+                stopped_by_string.append(out.req_id)
+            touched[state.request_id] = state
+            state.metrics.first_token_time = state.metrics.first_token_time or now
+            state.metrics.last_token_time = now
+        if stopped_by_string:
+            self.core.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self._requests[state.request_id]
+                for s in state.samples:
+                    self._child_to_parent.pop(s.child_id, None)
+            outputs.append(
+                RequestOutput(
+                    request_id=state.request_id,
+                    prompt=state.prompt,
+                    prompt_token_ids=state.prompt_token_ids,
+                    outputs=[dataclasses.replace(s.completion, token_ids=list(s.completion.token_ids)) for s in state.samples],
+                    finished=state.finished,
+                    metrics=dataclasses.replace(state.metrics),
+                    prompt_logprobs=state.prompt_logprobs,
+                )
+            )
+        return outputs
+
+    @staticmethod
+    def _process(sample: _Sample, out: EngineCoreOutput) -> bool:
+        """Fold one core output into the sample's completion. True if a stop string ended it."""
+        c = sample.completion
+        c.token_ids.extend(out.new_token_ids)
+        c.delta_token_ids.extend(out.new_token_ids)
+        if c.logprobs is not None and out.new_logprobs is not None:
+            for token_id, logprob, top in zip(out.new_token_ids, out.new_logprobs, out.new_top_logprobs or []):
+                c.logprobs.append(TokenLogprob(token_id, logprob, top))
+                c.cumulative_logprob += logprob
+        stop_string = sample.detokenizer.update(out.new_token_ids)
+        finished = out.finished or stop_string is not None
+        c.delta_text += sample.detokenizer.take_delta()
+        if finished:
+            c.delta_text += sample.detokenizer.flush()
+        c.text = sample.detokenizer.output_text
+        if stop_string is not None:
+            c.finish_reason, c.stop_reason = "stop", stop_string
+        elif out.finished:
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        return stop_string is not None and not out.finished

@@ -1,0 +1,5 @@
+"""Attention over the paged KV cache. `TorchAttentionBackend` is the portable reference."""
+
+from tokenmill.layers.attention.backend import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend"]

@@ -1,0 +1,103 @@
+"""The attention backend interface and its portable PyTorch implementation.
+
+The flat batch of a step is ordered decode tokens first (one query per request), then prefill
+chunks. The backend writes the step's keys/values into the paged cache at `slot_mapping`, then
+attends each query to its own sequence only: decodes as one padded batched computation over
+their gathered blocks, prefill chunks one sequence at a time (a chunk may start after earlier
+context already in the cache: chunked prefill).
+
+KV cache layout per layer: a `(key_cache, value_cache)` pair, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`; slot s is block s // block_size, offset
+s % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    num_decodes: int  # the first num_decodes tokens are single-query decodes, one per request
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each token's K/V
+    # Decode part
+    decode_block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int64 (padded with 0)
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64: context length incl. the new token
+    # Prefill part: per sequence, its chunk length, its context length incl. the chunk, and
+    # the ids of the blocks holding that context.
+    prefill_query_lens: list[int]
+    prefill_seq_lens: list[int]
+    prefill_block_ids: list[torch.Tensor]
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+class TorchAttentionBackend:
+    """Reference backend: plain PyTorch ops, any device, MHA/MQA/GQA."""
+
+    def forward(self, query, key, value, kv_cache, meta, scale):
+        key_cache, value_cache = kv_cache
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale)
+        start = nd
+        for q_len, seq_len, block_ids in zip(meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_ids):
+            end = start + q_len
+            if seq_len == q_len:  # no earlier context: attend within the chunk
+                k, v = key[start:end], value[start:end]
+            else:
+                k = key_cache[block_ids].view(-1, num_kv_heads, head_dim)[:seq_len]
+                v = value_cache[block_ids].view(-1, num_kv_heads, head_dim)[:seq_len]
+            out[start:end] = self._prefill(query[start:end], k, v, seq_len - q_len, scale)
+            start = end
+        return out
+
+    @staticmethod
+    def _prefill(q, k, v, num_context, scale):
+        """Causal attention of a chunk of q_len queries at positions num_context.. over seq_len keys."""
+        q_len, seq_len = q.shape[0], k.shape[0]
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, len, head_dim]
+        if num_context == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            rows = torch.arange(q_len, device=q.device)[:, None] + num_context
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [q_len, seq_len]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    @staticmethod
+    def _decode(q, key_cache, value_cache, meta, scale):
+        """One query per sequence over its gathered blocks, padded to the longest sequence."""
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = key_cache.shape[2]
+        group = num_heads // num_kv_heads
+        tables = meta.decode_block_tables
+        max_len = tables.shape[1] * key_cache.shape[1]
+        k = key_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = value_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        q = q.view(num_seqs, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [seqs, kv_heads, group, max_len]
+        pad = torch.arange(max_len, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).reshape(num_seqs, num_heads, head_dim)

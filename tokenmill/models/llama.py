@@ -1,0 +1,148 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2): RMSNorm, RoPE, GQA/MQA, SwiGLU,
+optional q/k/v bias, tied or untied LM head.
+
+The model sees a flat batch: `input_ids` and `positions` are `[num_tokens]` over every scheduled
+token of every request in the step; matmuls run on the whole batch, attention is split at
+sequence boundaries by the backend using `AttentionMetadata`. It knows nothing about scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.loader import ModelArchConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [n, num_heads, head_dim]
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections packed into one fused linear here: checkpoint name -> (our name, shard).
+    # Shards are placed in the order listed for each fused linear.
+    packed_modules: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_position: int, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling, dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns the final hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        c = self.config
+        if fused == "qkv_proj":
+            return [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, fusing packed ones.
+        Raises ValueError naming any unexpected, mis-shaped or missing tensor."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        num_shards = {fused: 1 + max(i for f, i in self.packed_modules.values() if f == fused) for fused, _ in self.packed_modules.values()}
+        expected = {name: set(range(num_shards.get(name.split(".")[-2], 1))) for name in params}
+        if self.config.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+        loaded: dict[str, set[int]] = {}
+        for ckpt_name, tensor in weights:
+            name, shard = _strip_model_prefix(ckpt_name), 0
+            parts = name.split(".")
+            module = parts[-2] if len(parts) >= 2 else ""
+            if module in self.packed_modules:
+                fused, shard = self.packed_modules[module]
+                name = ".".join(parts[:-2] + [fused, parts[-1]])
+            if name not in params:
+                if self.config.tie_word_embeddings and name == "lm_head.weight":
+                    continue  # some tied checkpoints carry a copy of the embedding
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
+            target = params[name]
+            if module in self.packed_modules:
+                sizes = self._shard_sizes(fused)
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if target.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.setdefault(name, set()).add(shard)
+        missing = sorted(n for n, shards in expected.items() if loaded.get(n, set()) != shards)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+
+
+def _strip_model_prefix(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name

@@ -1,0 +1,201 @@
+"""Turns a SchedulerOutput into one forward pass over a flat token batch, then samples.
+
+The runner keeps the state of every request it has seen (token ids, block table, progress)
+and receives only what changed each step. Tokens of all scheduled requests are concatenated
+into one `[num_tokens]` batch, decodes first then prefill chunks, with their positions and
+cache slots; the model runs once over it; logits are computed only at the last position of
+requests whose known tokens are now all computed, and those rows are sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenmill.layers.attention import AttentionMetadata, TorchAttentionBackend
+from tokenmill.layers.sampler import Sampler, SamplingRow
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + every sampled token
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> "CachedRequestState":
+        return cls(
+            data.req_id,
+            list(data.token_ids),
+            data.num_prompt_tokens,
+            data.sampling_params,
+            data.eos_token_ids,
+            list(data.block_ids),
+            data.num_computed_tokens,
+        )
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, device: str, dtype: str, max_model_len: int):
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[dtype]
+        self.block_size = config.block_size
+        arch = checkpoint.config
+        model_cls = MODEL_CLASSES.get(arch.architecture)
+        if model_cls is None:
+            raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
+        t0 = time.perf_counter()
+        with torch.device("cpu"):
+            model = model_cls(arch, TorchAttentionBackend(), max_model_len, self.dtype)
+        model.load_weights(checkpoint.weights())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.load_seconds = time.perf_counter() - t0
+        self.num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb, arch)
+        shape = (self.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(arch.num_hidden_layers)
+        ]
+        self.sampler = Sampler(seed=config.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def kv_bytes_per_token(self) -> int:
+        a = self.model.config
+        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self.dtype.itemsize
+
+    def _blocks_for_budget(self, memory_gb: float, arch) -> int:
+        bytes_per_block = 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
+        return max(1, int(memory_gb * 2**30) // bytes_per_block)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for data in sched.scheduled_new_reqs:
+            self.requests[data.req_id] = CachedRequestState.from_new(data)
+        for data in sched.scheduled_cached_reqs:
+            state = self.requests[data.req_id]
+            state.block_ids.extend(data.new_block_ids)
+            state.num_computed_tokens = data.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        # Decodes (one query token) first, then prefill chunks, as the attention backend expects.
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_seq_lens: list[int] = []
+        prefill_q_lens: list[int] = []
+        prefill_seq_lens: list[int] = []
+        prefill_blocks: list[torch.Tensor] = []
+        sample_req_ids: list[str] = []
+        sample_indices: list[int] = []
+        # (req_id, flat indices, the prompt tokens those positions predict)
+        prompt_lp_jobs: list[tuple[str, range, list[int]]] = []
+        bs = self.block_size
+        for req_id, num_new in order:
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            end = start + num_new
+            assert end <= len(state.token_ids), f"{req_id}: scheduled past its known tokens"
+            blocks = state.block_ids
+            last_predicting = min(end, state.num_prompt_tokens - 1)
+            if state.sampling_params.prompt_logprobs and start < last_predicting:
+                first = len(input_ids)
+                prompt_lp_jobs.append(
+                    (req_id, range(first, first + last_predicting - start), state.token_ids[start + 1 : last_predicting + 1])
+                )
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            num_ctx_blocks = -(-end // bs)
+            if num_new == 1:
+                decode_tables.append(blocks[:num_ctx_blocks])
+                decode_seq_lens.append(end)
+            else:
+                prefill_q_lens.append(num_new)
+                prefill_seq_lens.append(end)
+                prefill_blocks.append(torch.tensor(blocks[:num_ctx_blocks], dtype=torch.long))
+            if end == len(state.token_ids):
+                sample_req_ids.append(req_id)
+                sample_indices.append(len(input_ids) - 1)
+
+        dev = self.device
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        meta = AttentionMetadata(
+            num_decodes=len(decode_tables),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev),
+            decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.long, device=dev),
+            prefill_query_lens=prefill_q_lens,
+            prefill_seq_lens=prefill_seq_lens,
+            prefill_block_ids=[b.to(dev) for b in prefill_blocks],
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        for req_id, num_new in order:
+            self.requests[req_id].num_computed_tokens += num_new
+        out = ModelRunnerOutput(sampled_token_ids={})
+        for req_id, indices, targets in prompt_lp_jobs:
+            out.prompt_logprobs[req_id] = self._token_logprobs(hidden, indices, targets)
+        if not sample_req_ids:
+            return out
+
+        logits = self.model.compute_logits(hidden[sample_indices])  # [num_sampled, vocab]
+        rows = [self._sampling_row(self.requests[req_id]) for req_id in sample_req_ids]
+        sampled = self.sampler(logits, rows)
+        for i, req_id in enumerate(sample_req_ids):
+            token_id = sampled.token_ids[i]
+            self.requests[req_id].token_ids.append(token_id)
+            out.sampled_token_ids[req_id] = [token_id]
+            if rows[i].params.logprobs is not None:
+                out.logprobs[req_id] = [sampled.logprobs[i]]
+                out.top_logprobs[req_id] = [sampled.top_logprobs[i]]
+        return out
+
+    def _token_logprobs(self, hidden: torch.Tensor, indices: range, targets: list[int], rows_per_slice: int = 256) -> list[float]:
+        """log p(targets[i] | context up to flat position indices[i]), a slice of rows at a time
+        so the [rows, vocab] logits stay small."""
+        result: list[float] = []
+        for lo in range(0, len(indices), rows_per_slice):
+            idx = indices[lo : lo + rows_per_slice]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx.start : idx.stop]), dim=-1)
+            target = torch.tensor(targets[lo : lo + rows_per_slice], device=self.device)
+            result.extend(logprobs.gather(1, target[:, None]).squeeze(1).tolist())
+        return result
+
+    @staticmethod
+    def _sampling_row(state: CachedRequestState) -> SamplingRow:
+        return SamplingRow(
+            params=state.sampling_params,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=state.token_ids[state.num_prompt_tokens :],
+            eos_token_ids=state.eos_token_ids,
+        )
