@@ -133,9 +133,11 @@ def run_tokenmill(llm, requests) -> tuple[dict, list[list[int]]]:
     scheduler = getattr(getattr(llm.engine, "core", None), "scheduler", None)
     preempt_before = getattr(scheduler, "num_preemptions", None)
 
+    other = OtherLoad()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
+    other_cores = other.cores()
 
     out_ids = [list(o.outputs[0].token_ids) for o in outs]
     for (prompt, n), o, ids in zip(requests, outs, out_ids):
@@ -162,6 +164,7 @@ def run_tokenmill(llm, requests) -> tuple[dict, list[list[int]]]:
         "max_ttft_s": max(ttfts),
         "mean_tpot_s": sum(tpots) / len(tpots) if tpots else None,
         "preemptions": (scheduler.num_preemptions - preempt_before) if preempt_before is not None else None,
+        "other_processes_cores": other_cores,
     }
     return result, out_ids
 
@@ -220,6 +223,7 @@ def run_hf(model, tokenizer, requests, batch_size: int, sort_by_length: bool) ->
     generated = 0
     padded_prompt_tokens = 0
 
+    other = OtherLoad()
     t0 = time.perf_counter()
     for b in range(0, len(order), batch_size):
         idx = order[b : b + batch_size]
@@ -231,6 +235,7 @@ def run_hf(model, tokenizer, requests, batch_size: int, sort_by_length: bool) ->
         for i, row in zip(idx, new):
             out_ids[i] = row[: requests[i][1]]
     seconds = time.perf_counter() - t0
+    other_cores = other.cores()
 
     for (_, n), ids in zip(requests, out_ids):
         if len(ids) != n:
@@ -251,6 +256,7 @@ def run_hf(model, tokenizer, requests, batch_size: int, sort_by_length: bool) ->
         "batch_size": batch_size,
         "batch_order": "sorted by prompt length" if sort_by_length else "request order",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "other_processes_cores": other_cores,
     }
     return result, out_ids
 
@@ -278,6 +284,39 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]], eos_ids: set[int]) 
         "prefix_match_share": matched / compared if compared else None,
         "identical_requests": identical,
     }
+
+
+# -- other load on the machine ------------------------------------------------------------------
+
+
+class OtherLoad:
+    """CPU time used by every other process while a section runs, in cores on average: numbers
+    taken while another process is busy on the same cores are not worth reporting (with one torch
+    thread per core, a thread that loses its core stalls every step)."""
+
+    def __init__(self):
+        self.start_times = _other_cpu_times()
+        self.t0 = time.perf_counter()
+
+    def cores(self) -> float:
+        end = _other_cpu_times()
+        seconds = time.perf_counter() - self.t0
+        used = sum(t - self.start_times.get(pid, 0.0) for pid, t in end.items())
+        return max(0.0, used / seconds) if seconds > 0 else 0.0
+
+
+def _other_cpu_times() -> dict[tuple[int, float], float]:
+    import psutil
+
+    me = os.getpid()
+    times = {}
+    for proc in psutil.process_iter(["pid", "create_time", "cpu_times"]):
+        info = proc.info
+        if info["pid"] == me or info["cpu_times"] is None:
+            continue
+        t = info["cpu_times"]
+        times[(info["pid"], info["create_time"])] = t.user + t.system + t.children_user + t.children_system
+    return times
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -429,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
             f"divergence; {agreement['identical_requests']}/{len(requests)} requests identical"
         )
         print(f"ratio tokenmill / HF, output tok/s: {ratio:.2f}x")
+    busy = {r["engine"]: r["other_processes_cores"] for r in results if r["other_processes_cores"] > 0.1}
+    if busy:
+        print(
+            "WARNING: other processes were busy during the timed runs ("
+            + ", ".join(f"{e}: {c:.2f} cores on average" for e, c in busy.items())
+            + "); these numbers are not representative, rerun on an idle machine"
+        )
 
     report = {
         "benchmark": "offline_throughput",

@@ -46,7 +46,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Like generate, for one conversation or a list of them, through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages or isinstance(messages[0], dict):
+            conversations = [messages]  # one conversation (an empty one is rejected below)
+        else:
+            conversations = list(messages)
         prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
         finals: dict[str, RequestOutput] = {}
         ids = self._add(prompts, sampling_params, chat=True)
