@@ -12,6 +12,7 @@ from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
 from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.worker.cpu import keep_large_allocations_in_heap
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class EngineCore:
         self.dtype = config.resolved_dtype(self.device)
         if self.device == "cpu":
             torch.set_num_threads(config.resolved_num_threads())
+            keep_large_allocations_in_heap()
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ConfigError(

@@ -145,11 +145,17 @@ class ModelRunner:
 
         dev = self.device
         max_blocks = max((len(t) for t in decode_tables), default=0)
+        decode_lens = torch.tensor(decode_seq_lens, dtype=torch.long, device=dev)
+        decode_mask = None
+        if decode_tables:
+            key_pos = torch.arange(max_blocks * bs, device=dev)
+            decode_mask = (key_pos[None, :] < decode_lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             num_decodes=len(decode_tables),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev),
-            decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.long, device=dev),
+            decode_seq_lens=decode_lens,
+            decode_mask=decode_mask,
             prefill_query_lens=prefill_q_lens,
             prefill_seq_lens=prefill_seq_lens,
             prefill_block_ids=[b.to(dev) for b in prefill_blocks],

@@ -2,8 +2,8 @@
 
 The flat batch of a step is ordered decode tokens first (one query per request), then prefill
 chunks. The backend writes the step's keys/values into the paged cache at `slot_mapping`, then
-attends each query to its own sequence only: decodes as one padded batched computation over
-their gathered blocks, prefill chunks one sequence at a time (a chunk may start after earlier
+attends each query to its own sequence only: decodes as one padded batched SDPA over their
+gathered blocks, prefill chunks one sequence at a time (a chunk may start after earlier
 context already in the cache: chunked prefill).
 
 KV cache layout per layer: a `(key_cache, value_cache)` pair, each
@@ -27,6 +27,7 @@ class AttentionMetadata:
     # Decode part
     decode_block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int64 (padded with 0)
     decode_seq_lens: torch.Tensor  # [num_decodes] int64: context length incl. the new token
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_num_blocks * block_size] bool: True = attend
     # Prefill part: per sequence, its chunk length, its context length incl. the chunk, and
     # the ids of the blocks holding that context.
     prefill_query_lens: list[int]
@@ -66,38 +67,45 @@ class TorchAttentionBackend:
             if seq_len == q_len:  # no earlier context: attend within the chunk
                 k, v = key[start:end], value[start:end]
             else:
-                k = key_cache[block_ids].view(-1, num_kv_heads, head_dim)[:seq_len]
-                v = value_cache[block_ids].view(-1, num_kv_heads, head_dim)[:seq_len]
+                k = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+                v = value_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
             out[start:end] = self._prefill(query[start:end], k, v, seq_len - q_len, scale)
             start = end
         return out
 
     @staticmethod
     def _prefill(q, k, v, num_context, scale):
-        """Causal attention of a chunk of q_len queries at positions num_context.. over seq_len keys."""
-        q_len, seq_len = q.shape[0], k.shape[0]
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, len, head_dim]
+        """Causal attention of a chunk of q_len queries at positions num_context.. over seq_len keys.
+
+        GQA: each KV head is broadcast to its query heads as a zero-stride view, not copied
+        (on CPU this is ~3x faster than SDPA's own enable_gqa, which materializes the repeat)."""
+        q_len, num_heads, head_dim = q.shape
+        seq_len, num_kv_heads = k.shape[0], k.shape[1]
+        group = num_heads // num_kv_heads
+        q = q.transpose(0, 1).unflatten(0, (num_kv_heads, group))  # [kv_heads, group, q_len, head_dim]
+        k = k.transpose(0, 1)[:, None].expand(num_kv_heads, group, seq_len, head_dim)
+        v = v.transpose(0, 1)[:, None].expand(num_kv_heads, group, seq_len, head_dim)
         if num_context == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + num_context
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [q_len, seq_len]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return o.flatten(0, 1).transpose(0, 1)
 
     @staticmethod
     def _decode(q, key_cache, value_cache, meta, scale):
-        """One query per sequence over its gathered blocks, padded to the longest sequence."""
+        """One query per sequence over its gathered blocks, padded to the longest sequence.
+
+        The query heads sharing a KV head are folded into the query-length axis (all sit at the
+        same position, so no causal mask is needed), which makes GQA a plain batched SDPA."""
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = key_cache.shape[2]
-        group = num_heads // num_kv_heads
+        _, block_size, num_kv_heads, _ = key_cache.shape
         tables = meta.decode_block_tables
-        max_len = tables.shape[1] * key_cache.shape[1]
-        k = key_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = value_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        q = q.view(num_seqs, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [seqs, kv_heads, group, max_len]
-        pad = torch.arange(max_len, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).reshape(num_seqs, num_heads, head_dim)
+        max_len = tables.shape[1] * block_size
+        flat = tables.view(-1)
+        k = key_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = value_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+        return o.reshape(num_seqs, num_heads, head_dim)
