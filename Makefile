@@ -1,4 +1,4 @@
-# Fresh machine: `make run` sets up and generates on the default model; `make test` sets up and runs the tests.
+# Fresh machine: `make run` sets up and serves the default model on 127.0.0.1:8000; `make test` sets up and runs the tests.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/tokenmill generate --chat "What is the capital of France?" --chat "Write a haiku about the sea." --max-tokens 64
+	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
 test: setup
 	$(PY) -m pytest -q tests

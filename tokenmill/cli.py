@@ -8,6 +8,7 @@ import logging
 import sys
 
 from tokenmill.config import DEVICES, DTYPES, EngineConfig
+from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
 
 _DEFAULTS = EngineConfig()
 
@@ -85,6 +86,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.openai.api_server import run_server
+
+    return run_server(engine_config_from_args(args), server_config_from_args(args), log_level=args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference with in-flight batching")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -97,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a user message, sent through the model's chat template (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated (one --prompt)")
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -33,6 +33,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.monotonic() when the request was added
+    first_scheduled_time: float | None = None  # when it first left the waiting queue
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

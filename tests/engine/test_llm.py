@@ -7,8 +7,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
-from tokenmill.core.scheduler import RequestRejectedError
-from tokenmill.engine.llm_engine import InvalidPromptError
+from tokenmill.engine.llm_engine import ContextLengthError, InvalidPromptError
 from tokenmill.models.registry import ModelNotFoundError
 from tokenmill.sampling_params import SamplingParamsError
 
@@ -134,8 +133,12 @@ def test_rejected_inputs_name_the_problem_and_leave_the_engine_serving(llm, refe
         llm.generate([[1, 2, 10**9]], GREEDY)
     with pytest.raises(SamplingParamsError, match="logit_bias"):
         llm.generate("hi", SamplingParams(logit_bias={10**9: 1.0}))
-    with pytest.raises(RequestRejectedError, match="max_model_len"):
+    with pytest.raises(ContextLengthError, match="maximum context length is 8192 tokens") as e:
         llm.generate("word " * 5000, SamplingParams(max_tokens=5000))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(ContextLengthError, match="in the prompt") as e:
+        llm.generate("word " * 9000, SamplingParams(max_tokens=1))
+    assert e.value.field == "prompt"
     with pytest.raises(InvalidPromptError, match="messages"):
         llm.chat([], GREEDY)
     # A bad prompt in a batch rejects the batch without leaving its good requests queued.

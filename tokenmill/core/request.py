@@ -54,6 +54,7 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.max_tokens = max_tokens  # resolved: never None, fits in max_model_len
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None  # when it first left the waiting queue
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -12,6 +12,7 @@ preempted: its blocks are freed and it is recomputed later from its prompt + out
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -118,6 +119,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=lambda r: r.arrival_time)
             num_scheduled[req.request_id] = num_new
             new_reqs.append(

@@ -32,11 +32,16 @@ class InvalidPromptError(ValueError):
         self.field = field
 
 
+class ContextLengthError(InvalidPromptError):
+    """prompt + max_tokens does not fit in the model's context."""
+
+
 @dataclass
 class _Sample:
     """One of a request's n samples: a child request in the core."""
 
     child_id: str
+    request: Request
     completion: CompletionOutput
     detokenizer: IncrementalDetokenizer
 
@@ -54,6 +59,21 @@ class _RequestState:
     @property
     def finished(self) -> bool:
         return all(s.completion.finished for s in self.samples)
+
+
+@dataclass
+class PreparedRequest:
+    """A request tokenized and validated against the model, not yet in the engine."""
+
+    state: _RequestState
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.state.prompt_token_ids)
 
 
 class LLMEngine:
@@ -95,8 +115,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, chat: bool = False) -> None:
         """Validate and queue a request. Raises InvalidPromptError, SamplingParamsError or
         RequestRejectedError (all ValueErrors) without touching any other request."""
-        if request_id in self._requests:
-            raise InvalidPromptError("request_id", f"request id {request_id!r} is already in use")
+        self.add_prepared(self.prepare_request(request_id, prompt, params, chat))
+
+    def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams, chat: bool = False) -> PreparedRequest:
+        """Tokenize and validate. Reads only the tokenizer and the config, so it may run on
+        another thread than the one stepping the engine."""
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
             if bad:
@@ -105,30 +128,54 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             text, token_ids = self.tokenize_prompt(prompt)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        num_prompt = len(token_ids)
+        if params.max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+            if max_tokens < 1:
+                raise ContextLengthError(
+                    "messages" if chat else "prompt",
+                    f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                    f"{num_prompt} tokens, which leaves no room for the completion.",
+                )
+        else:
+            max_tokens = params.max_tokens
+            if num_prompt + max_tokens > self.max_model_len:
+                field = "max_tokens" if num_prompt < self.max_model_len else ("messages" if chat else "prompt")
+                raise ContextLengthError(
+                    field,
+                    f"This model's maximum context length is {self.max_model_len} tokens; you requested "
+                    f"{num_prompt + max_tokens} tokens: {num_prompt} in the prompt, {max_tokens} for the completion. "
+                    "Please reduce the prompt or max_tokens.",
+                )
         state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=time.monotonic()))
         if params.prompt_logprobs:
             state.prompt_logprobs = [None]  # the first prompt token has no context to predict it
-        children: list[Request] = []
         for index in range(params.n):
             child_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + index
             )
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            children.append(Request(child_id, token_ids, child_params, self.eos_token_ids, max(max_tokens, 1), state.metrics.arrival_time))
+            child = Request(child_id, token_ids, child_params, self.eos_token_ids, max_tokens, state.metrics.arrival_time)
             completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
             if params.logprobs is not None:
                 completion.cumulative_logprob = 0.0
-            state.samples.append(_Sample(child_id, completion, IncrementalDetokenizer(self.tokenizer, token_ids, child_params)))
+            state.samples.append(_Sample(child_id, child, completion, IncrementalDetokenizer(self.tokenizer, token_ids, child_params)))
+        return PreparedRequest(state)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a prepared request (on the thread that steps the engine)."""
+        state = prepared.state
+        if state.request_id in self._requests:
+            raise InvalidPromptError("request_id", f"request id {state.request_id!r} is already in use")
         added: list[str] = []
         try:
-            for child in children:
-                self.core.add_request(child)
-                added.append(child.request_id)
+            for sample in state.samples:
+                self.core.add_request(sample.request)
+                added.append(sample.child_id)
         except ValueError:
             self.core.abort_requests(added)
             raise
-        self._requests[request_id] = state
+        self._requests[state.request_id] = state
         for sample in state.samples:
             self._child_to_parent[sample.child_id] = (state, sample)
 
@@ -156,10 +203,11 @@ class LLMEngine:
             for s in state.samples:
                 s.completion.delta_text = ""
                 s.completion.delta_token_ids = []
-        now = time.monotonic()
+        core_outputs = self.core.step()
+        now = time.monotonic()  # after the step: its tokens exist from here on
         touched: dict[str, _RequestState] = {}
         stopped_by_string: list[str] = []
-        for out in self.core.step():
+        for out in core_outputs:
             entry = self._child_to_parent.get(out.req_id)
             if entry is None:
                 continue
@@ -171,6 +219,8 @@ class LLMEngine:
             if self._process(sample, out):
                 stopped_by_string.append(out.req_id)
             touched[state.request_id] = state
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = sample.request.first_scheduled_time
             state.metrics.first_token_time = state.metrics.first_token_time or now
             state.metrics.last_token_time = now
         if stopped_by_string:

@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tokenmill.layers.attention import AttentionMetadata, TorchAttentionBackend
+from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
 from tokenmill.layers.sampler import Sampler, SamplingRow
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import LoadedCheckpoint
@@ -101,8 +101,12 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        # Decodes (one query token) first, then prefill chunks, as the attention backend expects.
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        # Decodes (one query token) first, shortest context first, then prefill chunks, as the
+        # attention backend expects.
+        order = sorted(
+            sched.num_scheduled_tokens.items(),
+            key=lambda item: (item[1] != 1, self.requests[item[0]].num_computed_tokens if item[1] == 1 else 0),
+        )
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -144,18 +148,10 @@ class ModelRunner:
                 sample_indices.append(len(input_ids) - 1)
 
         dev = self.device
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        decode_lens = torch.tensor(decode_seq_lens, dtype=torch.long, device=dev)
-        decode_mask = None
-        if decode_tables:
-            key_pos = torch.arange(max_blocks * bs, device=dev)
-            decode_mask = (key_pos[None, :] < decode_lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             num_decodes=len(decode_tables),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev),
-            decode_seq_lens=decode_lens,
-            decode_mask=decode_mask,
+            decode_groups=self._decode_groups(decode_tables, decode_seq_lens),
             prefill_query_lens=prefill_q_lens,
             prefill_seq_lens=prefill_seq_lens,
             prefill_block_ids=[b.to(dev) for b in prefill_blocks],
@@ -186,6 +182,19 @@ class ModelRunner:
                 out.top_logprobs[req_id] = [sampled.top_logprobs[i]]
         return out
 
+    def _decode_groups(self, tables: list[list[int]], seq_lens: list[int]) -> list[DecodeGroup]:
+        groups = []
+        start = 0
+        for size in split_by_length([len(t) for t in tables]):
+            end = start + size
+            width = len(tables[end - 1])  # the longest of the group: tables are sorted by length
+            padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]], dtype=torch.long)
+            lens = torch.tensor(seq_lens[start:end], dtype=torch.long)
+            mask = (torch.arange(width * self.block_size)[None, :] < lens[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(num_seqs=size, block_tables=padded.to(self.device), mask=mask.to(self.device)))
+            start = end
+        return groups
+
     def _token_logprobs(self, hidden: torch.Tensor, indices: range, targets: list[int], rows_per_slice: int = 256) -> list[float]:
         """log p(targets[i] | context up to flat position indices[i]), a slice of rows at a time
         so the [rows, vocab] logits stay small."""
@@ -205,3 +214,35 @@ class ModelRunner:
             output_token_ids=state.token_ids[state.num_prompt_tokens :],
             eos_token_ids=state.eos_token_ids,
         )
+
+
+def split_by_length(lengths: list[int], group_cost: int = 12) -> list[int]:
+    """Split ascending `lengths` (in blocks) into consecutive groups, returning their sizes.
+
+    A group costs its padded work, size x its longest length, plus `group_cost` blocks' worth
+    for the extra kernel launches of one more group; the split minimizes the total, by dynamic
+    programming over the distinct lengths (few, so this stays cheap)."""
+    if not lengths:
+        return []
+    values: list[int] = []  # distinct lengths, ascending, and how many of each
+    counts: list[int] = []
+    for length in lengths:
+        if values and values[-1] == length:
+            counts[-1] += 1
+        else:
+            values.append(length)
+            counts.append(1)
+    m = len(values)
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    best = [0] + [0] * m  # best[j]: cost of the first j distinct values
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        best[j], cut[j] = min((best[i] + (prefix[j] - prefix[i]) * values[j - 1] + group_cost, i) for i in range(j))
+    sizes = []
+    j = m
+    while j:
+        sizes.append(prefix[j] - prefix[cut[j]])
+        j = cut[j]
+    return sizes[::-1]

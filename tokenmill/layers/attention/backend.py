@@ -2,9 +2,10 @@
 
 The flat batch of a step is ordered decode tokens first (one query per request), then prefill
 chunks. The backend writes the step's keys/values into the paged cache at `slot_mapping`, then
-attends each query to its own sequence only: decodes as one padded batched SDPA over their
-gathered blocks, prefill chunks one sequence at a time (a chunk may start after earlier
-context already in the cache: chunked prefill).
+attends each query to its own sequence only: decodes as a few padded batched SDPAs over their
+gathered blocks (decodes arrive sorted by context length and split into groups of similar
+length, so little work is spent on padding), prefill chunks one sequence at a time (a chunk
+may start after earlier context already in the cache: chunked prefill).
 
 KV cache layout per layer: a `(key_cache, value_cache)` pair, each
 `[num_blocks, block_size, num_kv_heads, head_dim]`; slot s is block s // block_size, offset
@@ -21,13 +22,19 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive decodes attended as one padded batch."""
+
+    num_seqs: int
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64 (padded with block 0)
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_num_blocks * block_size] bool: True = attend
+
+
+@dataclass
 class AttentionMetadata:
     num_decodes: int  # the first num_decodes tokens are single-query decodes, one per request
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each token's K/V
-    # Decode part
-    decode_block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int64 (padded with 0)
-    decode_seq_lens: torch.Tensor  # [num_decodes] int64: context length incl. the new token
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_num_blocks * block_size] bool: True = attend
+    decode_groups: list[DecodeGroup]  # cover the num_decodes decodes, in order
     # Prefill part: per sequence, its chunk length, its context length incl. the chunk, and
     # the ids of the blocks holding that context.
     prefill_query_lens: list[int]
@@ -58,10 +65,11 @@ class TorchAttentionBackend:
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
         out = torch.empty_like(query)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale)
-        start = nd
+        start = 0
+        for group in meta.decode_groups:
+            end = start + group.num_seqs
+            out[start:end] = self._decode(query[start:end], key_cache, value_cache, group, scale)
+            start = end
         for q_len, seq_len, block_ids in zip(meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_ids):
             end = start + q_len
             if seq_len == q_len:  # no earlier context: attend within the chunk
@@ -94,18 +102,18 @@ class TorchAttentionBackend:
         return o.flatten(0, 1).transpose(0, 1)
 
     @staticmethod
-    def _decode(q, key_cache, value_cache, meta, scale):
-        """One query per sequence over its gathered blocks, padded to the longest sequence.
+    def _decode(q, key_cache, value_cache, group, scale):
+        """One query per sequence over its gathered blocks, padded to the group's longest.
 
         The query heads sharing a KV head are folded into the query-length axis (all sit at the
         same position, so no causal mask is needed), which makes GQA a plain batched SDPA."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
-        tables = meta.decode_block_tables
+        tables = group.block_tables
         max_len = tables.shape[1] * block_size
         flat = tables.view(-1)
         k = key_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = value_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         return o.reshape(num_seqs, num_heads, head_dim)

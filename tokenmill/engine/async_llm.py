@@ -1,0 +1,263 @@
+"""The engine for online serving: `LLMEngine` stepping on its own thread, asyncio in front.
+
+The event-loop thread tokenizes and validates new requests (`LLMEngine.prepare_request` reads
+only the tokenizer and the config) and hands them, and aborts, to the engine thread through a
+command queue. The engine thread applies the commands between iterations, runs one step at a
+time, and posts each step's outputs back to the loop in one callback, where they are routed to
+per-request queues. The loop never waits on a model step, so HTTP handling and tokenization
+overlap with the matmuls (which release the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine, Prompt
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (shutdown)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an unexpected error; no request can make progress."""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and the periodic log; cumulative fields only ever grow."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefill, including recomputation)
+    num_generation_tokens: int = 0
+
+
+class _Failed:
+    """Posted to a request's queue when the engine could not take it or died."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class RequestStream:
+    """The outputs of one request: one RequestOutput per engine iteration in which it
+    progressed, the last with `finished`. `abort()` (or leaving early through `aclose()`) stops
+    the request before the engine's next step and frees its KV blocks."""
+
+    def __init__(self, llm: "AsyncLLM", request_id: str, q: asyncio.Queue, num_prompt_tokens: int):
+        self.llm = llm
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._queue = q
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, _Failed):
+            self.finished = True
+            self.llm._release(self.request_id, abort=False)
+            raise item.error
+        if item.finished:
+            self.finished = True
+            self.llm._release(self.request_id, abort=False)
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.llm._release(self.request_id, abort=True)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class AsyncLLM:
+    """Call `start()` (loads the model on the engine thread) from inside a running event loop,
+    then `add_request()` from any coroutine on that loop."""
+
+    def __init__(self, config: EngineConfig, log_stats_interval: float = 10.0):
+        self.config = config
+        self.log_stats_interval = log_stats_interval
+        self.engine: LLMEngine | None = None
+        self.ready = asyncio.Event()
+        self.load_error: BaseException | None = None
+        self.dead_error: BaseException | None = None
+        self.stats = EngineStats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> LLMEngine:
+        await self.ready.wait()
+        if self.load_error is not None:
+            raise self.load_error
+        return self.engine
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._commands.put(None)  # wake the thread if it is idle
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted and not yet finished (as the event loop sees them)."""
+        return len(self._queues)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats.num_waiting
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, chat: bool = False) -> RequestStream:
+        """Tokenize, validate and queue a request; bad input raises here (a ValueError naming
+        the field) and queues nothing. Iterate the returned stream for its outputs."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead_error!r}")
+        engine = await self.wait_ready()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prepared = engine.prepare_request(request_id, prompt, params, chat)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._commands.put(("add", prepared))
+        return RequestStream(self, request_id, q, prepared.num_prompt_tokens)
+
+    def abort_all(self, reason: str = "the server is shutting down") -> None:
+        """Abort every request; each one's stream raises RequestAbortedError."""
+        for request_id, q in list(self._queues.items()):
+            q.put_nowait(_Failed(RequestAbortedError(reason)))
+            self._commands.put(("abort", request_id))
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._queues.pop(request_id, None)
+        if abort:
+            self._commands.put(("abort", request_id))  # applied before the engine's next step
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+        except BaseException as e:  # noqa: BLE001 - reported to every caller of wait_ready
+            logger.exception("loading the model failed")
+            self.load_error = e
+            self._loop.call_soon_threadsafe(self.ready.set)
+            return
+        self._loop.call_soon_threadsafe(self.ready.set)
+        engine = self.engine
+        last_log = time.monotonic()
+        logged = EngineStats()
+        try:
+            while not self._stop:
+                block = not engine.has_unfinished_requests()
+                self._apply_commands(engine, block)
+                if self._stop:
+                    break
+                self._refresh_gauges(engine)  # aborts free blocks even when no step follows
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._count_step(engine)
+                    self._refresh_gauges(engine)
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                now = time.monotonic()
+                if self.log_stats_interval > 0 and now - last_log >= self.log_stats_interval:
+                    self._log_stats(logged, now - last_log)
+                    logged, last_log = _copy(self.stats), now
+        except BaseException as e:  # noqa: BLE001 - fail every request rather than hang them
+            logger.exception("engine step failed; the engine is stopped")
+            self.dead_error = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _apply_commands(self, engine: LLMEngine, block: bool) -> None:
+        while True:
+            try:
+                command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if command is None:
+                continue
+            kind, arg = command
+            if kind == "add":
+                try:
+                    engine.add_prepared(arg)
+                except ValueError as e:  # e.g. needs more KV blocks than exist
+                    self._loop.call_soon_threadsafe(self._post, arg.request_id, _Failed(e))
+            else:
+                engine.abort_request([arg])
+
+    def _refresh_gauges(self, engine: LLMEngine) -> None:
+        core = engine.core
+        s = self.stats
+        s.num_running = len(core.scheduler.running)
+        s.num_waiting = len(core.scheduler.waiting)
+        s.kv_cache_usage = core.kv_cache_manager.usage
+        s.num_preemptions = core.scheduler.num_preemptions
+
+    def _count_step(self, engine: LLMEngine) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.num_prompt_tokens += engine.core.last_num_prompt_tokens
+        s.num_generation_tokens += engine.core.last_num_generated_tokens
+
+    def _log_stats(self, last: EngineStats, elapsed: float) -> None:
+        s = self.stats
+        logger.info(
+            "engine: %d running, %d waiting, KV cache %.1f%% used, prompt %.1f tok/s, generation %.1f tok/s, "
+            "%d preemptions",
+            s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
+            (s.num_prompt_tokens - last.num_prompt_tokens) / elapsed,
+            (s.num_generation_tokens - last.num_generation_tokens) / elapsed,
+            s.num_preemptions,
+        )
+
+    # -- on the event loop ----------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._post(out.request_id, out)
+
+    def _post(self, request_id: str, item) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        dead = EngineDeadError(f"the engine stopped: {error!r}")
+        for q in self._queues.values():
+            q.put_nowait(_Failed(dead))
+
+
+def _copy(stats: EngineStats) -> EngineStats:
+    return EngineStats(**vars(stats))

@@ -1,0 +1,318 @@
+"""`tokenmill serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+One process: uvicorn's event loop answers HTTP, an `AsyncLLM` steps the engine on its own
+thread. The model loads in the background after the socket is open (`/health` answers 503
+until it is ready). SIGTERM/SIGINT drain: new requests get 503, running ones get up to
+`--shutdown-timeout` seconds to finish, the rest are aborted, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tokenmill
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
+from tokenmill.entrypoints.openai.args import ServerConfig
+from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, _message_dict
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig):
+        self.config = config
+        self.model_name = config.served_model_name or engine_config.model
+        self.llm = AsyncLLM(engine_config, log_stats_interval=config.log_stats_interval)
+        self.metrics = ServerMetrics(self.llm, self.model_name)
+        self.serving: OpenAIServing | None = None
+        self.draining = False
+        self.started = time.time()
+
+
+def error_response(status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code if code is not None else status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
+    state = ServerState(engine_config, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.llm.start()
+        asyncio.ensure_future(_when_ready())
+        yield
+        state.llm.shutdown()
+
+    async def _when_ready():
+        try:
+            engine = await state.llm.wait_ready()
+        except BaseException:  # noqa: BLE001 - logged by the engine thread; /health stays 503
+            return
+        state.serving = OpenAIServing(state.llm, engine, state.model_name, state.metrics)
+        logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(_BodySizeLimit, limit=config.max_request_body_bytes)
+
+    # -- errors ------------------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.type, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        first = e.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid value")
+        where = f"{param}: " if param else "request body: "
+        return error_response(400, f"{where}{msg} (got {_short(first.get('input'))})", param)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request, e: ValueError):
+        return error_response(400, str(e), getattr(e, "field", None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(EngineDeadError)
+    @app.exception_handler(RequestAbortedError)
+    async def _engine_gone(request, e: Exception):
+        return error_response(503, str(e), type="server_error")
+
+    # -- guards --------------------------------------------------------------------------------------
+
+    def serving() -> OpenAIServing:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", type="server_error")
+        if state.serving is None:
+            if state.llm.load_error is not None:
+                raise APIError(503, f"the model failed to load: {state.llm.load_error}", type="server_error")
+            raise APIError(503, "the model is still loading", type="server_error", headers={"Retry-After": "5"})
+        return state.serving
+
+    def check_auth(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                           type="authentication_error", code="invalid_api_key")
+
+    def check_capacity() -> None:
+        waiting = state.llm.num_unfinished - state.llm.stats.num_running
+        if waiting >= config.max_waiting_requests:
+            raise APIError(429, f"too many requests queued ({waiting}); retry shortly",
+                           type="rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
+
+    async def disconnected(request: Request) -> None:
+        """Returns when the client closes the connection (the body has been read already)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def respond(request: Request, result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # -- OpenAI endpoints ----------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_auth(request)
+        s = serving()
+        check_capacity()
+        try:
+            result = await s.completions(body, lambda: disconnected(request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return await respond(request, result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_auth(request)
+        s = serving()
+        check_capacity()
+        try:
+            result = await s.chat_completions(body, lambda: disconnected(request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return await respond(request, result)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
+            "max_model_len": state.serving.engine.max_model_len if state.serving else None,
+        }]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        check_auth(request)
+        s = serving()
+        s.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        engine = s.engine
+        if body.messages is not None:
+            text = engine.apply_chat_template([_message_dict(i, m) for i, m in enumerate(body.messages)])
+            tokens = engine.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        check_auth(request)
+        s = serving()
+        s.check_model(body.model)
+        vocab = s.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": s.engine.tokenizer.decode(body.tokens)}
+
+    # -- operations ------------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return error_response(503, "shutting down", type="server_error")
+        if state.llm.dead_error is not None:
+            return error_response(503, f"the engine stopped: {state.llm.dead_error!r}", type="server_error")
+        if state.serving is None:
+            return error_response(503, "loading" if state.llm.load_error is None else f"load failed: {state.llm.load_error}",
+                                  type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _BodySizeLimit:
+    """413 for request bodies over `limit` bytes, by Content-Length or as they stream in."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await _too_large(self.limit, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _too_large(self.limit, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _too_large(limit: int, send) -> None:
+    body = json.dumps({"error": {"message": f"request body is larger than {limit} bytes",
+                                 "type": "invalid_request_error", "param": None, "code": 413}}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- running it --------------------------------------------------------------------------------------
+
+
+class _DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM/SIGINT drains the engine before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.timeout = timeout
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain_task is not None or self.should_exit:  # a second signal: stop now
+            self.force_exit = self.should_exit
+            self.should_exit = True
+            return
+        logger.info("shutting down: no new requests; waiting up to %.0fs for %d running",
+                    self.timeout, self.state.llm.num_unfinished)
+        self.state.draining = True
+        loop = asyncio.get_event_loop()
+        self._drain_task = loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.state.llm.num_unfinished and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.llm.num_unfinished:
+            logger.warning("aborting %d requests still running at the shutdown timeout", self.state.llm.num_unfinished)
+            self.state.llm.abort_all()
+            await asyncio.sleep(0.2)  # let their handlers answer
+        self.should_exit = True
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info") -> int:
+    app = build_app(engine_config, config)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
+                               timeout_graceful_shutdown=5, access_log=False)
+    server = _DrainingServer(uv_config, app.state.server, config.shutdown_timeout)
+    server.run()
+    return 0

@@ -1,0 +1,44 @@
+"""The server's own settings and their command-line flags (kept free of heavy imports so
+`tokenmill --help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the model argument
+    api_key: str | None = None
+    max_waiting_requests: int = 256
+    max_request_body_bytes: int = 8 * 2**20
+    shutdown_timeout: float = 30.0
+    log_stats_interval: float = 10.0
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    parser.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host})")
+    parser.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default: {d.port})")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: the model argument)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on the API endpoints (/health, /metrics, /version stay open)")
+    parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                        help=f"answer 429 while this many requests are queued (default: {d.max_waiting_requests})")
+    parser.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                        help=f"answer 413 for larger request bodies (default: {d.max_request_body_bytes})")
+    parser.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                        help=f"seconds running requests get to finish on SIGTERM (default: {d.shutdown_timeout:g})")
+    parser.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval,
+                        help=f"seconds between engine stats log lines, 0 = off (default: {d.log_stats_interval:g})")
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                        max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+                        log_stats_interval=args.log_stats_interval)

@@ -1,0 +1,138 @@
+"""Prometheus metrics of the server (`GET /metrics`) and the per-request completion log line.
+
+Latencies are histograms observed per request; token counts and finished requests are
+counters (rates come from `rate()` in Prometheus, never from per-batch gauges). Engine state
+(running/waiting requests, KV-cache usage, preemptions) is read from the engine's stats when
+the endpoint is scraped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.outputs import RequestOutput
+
+logger = logging.getLogger("tokenmill.requests")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServerMetrics:
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def histogram(name, doc):
+            return Histogram(name, doc, labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model_name)
+
+        self.ttft = histogram("tokenmill_time_to_first_token_seconds", "Time from arrival to the first output token")
+        self.itl = histogram("tokenmill_inter_token_latency_seconds", "Time between successive output tokens")
+        self.tpot = histogram("tokenmill_time_per_output_token_seconds",
+                              "Per request: decode time / (output tokens - 1)")
+        self.e2e = histogram("tokenmill_e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.queue = histogram("tokenmill_request_queue_time_seconds", "Time from arrival to first scheduled")
+        self.prefill = histogram("tokenmill_request_prefill_time_seconds", "Time from first scheduled to first token")
+        self.decode = histogram("tokenmill_request_decode_time_seconds", "Time from first token to last token")
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of finished requests", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tokenmill_generation_tokens", "Output tokens of finished requests",
+                                         labels, registry=r).labels(model_name)
+        self._finished = Counter("tokenmill_request_success", "Finished requests by finish reason",
+                                 ["model_name", "finished_reason"], registry=r)
+        self.finished = lambda reason: self._finished.labels(model_name, reason)
+        for reason in ("stop", "length", "abort"):
+            self.finished(reason)  # present from the start, at 0
+        Gauge("tokenmill_num_requests_running", "Sequences in the running batch", labels,
+              registry=r).labels(model_name).set_function(lambda: llm.stats.num_running)
+        Gauge("tokenmill_num_requests_waiting", "Sequences waiting to be scheduled", labels,
+              registry=r).labels(model_name).set_function(lambda: llm.stats.num_waiting)
+        Gauge("tokenmill_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", labels,
+              registry=r).labels(model_name).set_function(lambda: llm.stats.kv_cache_usage)
+        r.register(_EngineCounters(llm, model_name))
+
+
+class _EngineCounters:
+    """Cumulative engine counters, read at scrape time."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.llm = llm
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.llm.stats
+        for name, doc, value in (
+            ("tokenmill_num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions),
+            ("tokenmill_engine_steps", "Engine iterations run", s.num_steps),
+            ("tokenmill_prefill_tokens", "Tokens prefilled, including recomputation after preemption",
+             s.num_prompt_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
+class RequestTracker:
+    """Follows one engine request's outputs into the metrics; logs one line when it ends."""
+
+    def __init__(self, metrics: ServerMetrics, request_id: str):
+        self.m = metrics
+        self.request_id = request_id
+        self.last: RequestOutput | None = None
+        self._last_token_time: float | None = None
+        self._closed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        t = out.metrics
+        if t.first_token_time is not None:
+            if self._last_token_time is None:
+                self.m.ttft.observe(t.first_token_time - t.arrival_time)
+            elif t.last_token_time > self._last_token_time:
+                new = max((len(c.delta_token_ids) for c in out.outputs), default=1) or 1
+                gap = (t.last_token_time - self._last_token_time) / new
+                for _ in range(new):
+                    self.m.itl.observe(gap)
+            self._last_token_time = t.last_token_time
+        self.last = out
+
+    def close(self) -> None:
+        """The request finished, or was aborted (the client left) if its last output is not final."""
+        if self._closed:
+            return
+        self._closed = True
+        out = self.last
+        m = self.m
+        if out is None or not out.finished:
+            m.finished("abort").inc()
+            logger.info("request %s: aborted after %d output tokens", self.request_id,
+                        0 if out is None else sum(len(c.token_ids) for c in out.outputs))
+            return
+        t = out.metrics
+        end = t.finished_time or time.monotonic()
+        num_out = sum(len(c.token_ids) for c in out.outputs)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(num_out)
+        for c in out.outputs:
+            m.finished(c.finish_reason or "abort").inc()
+        m.e2e.observe(end - t.arrival_time)
+        if t.first_scheduled_time is not None:
+            m.queue.observe(t.first_scheduled_time - t.arrival_time)
+            if t.first_token_time is not None:
+                m.prefill.observe(t.first_token_time - t.first_scheduled_time)
+        if t.first_token_time is not None:
+            m.decode.observe(end - t.first_token_time)
+            longest = max(len(c.token_ids) for c in out.outputs)
+            if longest > 1:
+                m.tpot.observe((end - t.first_token_time) / (longest - 1))
+        ttft = (t.first_token_time - t.arrival_time) * 1e3 if t.first_token_time else float("nan")
+        logger.info(
+            "request %s: %d prompt + %d output tokens, TTFT %.0f ms, total %.0f ms, finish %s",
+            self.request_id, len(out.prompt_token_ids), num_out, ttft, (end - t.arrival_time) * 1e3,
+            ",".join(str(c.finish_reason) for c in out.outputs),
+        )

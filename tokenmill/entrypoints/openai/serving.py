@@ -1,0 +1,409 @@
+"""The completions and chat completions handlers: OpenAI request -> engine requests -> OpenAI
+response, whole or as server-sent events (one event per engine iteration)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError, RequestStream
+from tokenmill.engine.llm_engine import InvalidPromptError, LLMEngine
+from tokenmill.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from tokenmill.entrypoints.openai.protocol import (
+    MAX_STOP_STRING_LENGTH,
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_id,
+    now,
+)
+from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+
+# Samples per request (`n`): each is a sequence in the batch, so this bounds what one request
+# can take from everyone else.
+MAX_N = 64
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; its requests were aborted."""
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
+
+
+def unsupported(field: str, what: str = "") -> APIError:
+    return APIError(400, f"{field} is not supported by this server{what}", param=field)
+
+
+@dataclass
+class _Job:
+    """One engine request behind an API request: a prompt and its place among the choices."""
+
+    request_id: str
+    prompt: object  # text or token ids
+    first_index: int  # choice index of its sample 0
+    echo_text: str = ""
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, engine: LLMEngine, model_name: str, metrics: ServerMetrics):
+        self.llm = llm
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # -- request -> sampling params ---------------------------------------------------------------
+
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if not 1 <= req.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if any(len(s) > MAX_STOP_STRING_LENGTH for s in stop):
+            raise APIError(400, f"each stop string must be at most {MAX_STOP_STRING_LENGTH} characters", param="stop")
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            logit_bias=req.logit_bias or None,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", type="NotFoundError", code="model_not_found")
+
+    # -- completions --------------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, is_disconnected: Callable) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.suffix:
+            raise unsupported("suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise unsupported("best_of", " (use n)")
+        if req.echo and req.logprobs is not None:
+            raise unsupported("echo", " together with logprobs")
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        prompts = _prompt_list(req.prompt)
+        base = completion_id("cmpl")
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            echo = "" if not req.echo else (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt))
+            jobs.append(_Job(f"{base}-{i}", prompt, i * req.n, echo))
+        streams = await self._start(jobs, params, chat=False)
+        if req.stream:
+            return self._stream_completions(base, jobs, streams, req)
+        finals = await self._collect(streams, is_disconnected)
+        choices = []
+        for job, final in zip(jobs, finals):
+            for c in final.outputs:
+                choices.append({
+                    "index": job.first_index + c.index,
+                    "text": job.echo_text + c.text,
+                    "logprobs": self._completion_logprobs(c.logprobs, 0) if params.logprobs is not None else None,
+                    "finish_reason": _finish_reason(c),
+                    "stop_reason": c.stop_reason,
+                })
+        return {"id": base, "object": "text_completion", "created": now(), "model": self.model_name,
+                "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(finals)}
+
+    async def _stream_completions(self, base, jobs, streams, req) -> AsyncIterator[str]:
+        created = now()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        finals: list[RequestOutput] = []
+        offsets: dict[int, int] = {}  # choice index -> text offset, for logprobs.text_offset
+        async for job_index, out in _errors_as_events(_merge(streams)):
+            if isinstance(out, str):
+                yield out
+                return
+            job = jobs[job_index]
+            choices = []
+            for c in out.outputs:
+                index = job.first_index + c.index
+                if not c.delta_token_ids and not c.finished and not c.delta_text:
+                    continue
+                text = c.delta_text
+                if job.echo_text and index not in offsets:
+                    text = job.echo_text + text
+                logprobs = None
+                if req.logprobs is not None and c.logprobs is not None:
+                    new = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+                    logprobs = self._completion_logprobs(new, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": _finish_reason(c) if c.finished else None,
+                                "stop_reason": c.stop_reason if c.finished else None})
+            if out.finished:
+                finals.append(out)
+            if choices:
+                yield _sse({"id": base, "object": "text_completion", "created": created, "model": self.model_name,
+                            "choices": choices, **({"usage": None} if include_usage else {})})
+        if include_usage:
+            yield _sse({"id": base, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [], "usage": _usage(finals)})
+        yield "data: [DONE]\n\n"
+
+    # -- chat completions ---------------------------------------------------------------------------
+
+    async def chat_completions(self, req: ChatCompletionRequest, is_disconnected: Callable) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.tools:
+            raise unsupported("tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", " (only {\"type\": \"text\"})")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, logprobs)
+        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        try:
+            prompt = self.engine.apply_chat_template(messages)
+        except InvalidPromptError:
+            raise
+        except Exception as e:  # noqa: BLE001  # a template that refuses the conversation (e.g. role order)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        base = completion_id("chatcmpl")
+        jobs = [_Job(base, prompt, 0)]
+        streams = await self._start(jobs, params, chat=True)
+        if req.stream:
+            return self._stream_chat(base, streams[0], req)
+        (final,) = await self._collect(streams, is_disconnected)
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": self._chat_logprobs(c.logprobs)} if req.logprobs else None,
+            "finish_reason": _finish_reason(c),
+            "stop_reason": c.stop_reason,
+        } for c in final.outputs]
+        return {"id": base, "object": "chat.completion", "created": now(), "model": self.model_name,
+                "choices": choices, "usage": _usage([final])}
+
+    async def _stream_chat(self, base, stream, req) -> AsyncIterator[str]:
+        created = now()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(choices):
+            return _sse({"id": base, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                         "choices": choices, **extra})
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                     for i in range(req.n)])
+        final = None
+        async for _, out in _errors_as_events(_merge([stream])):
+            if isinstance(out, str):
+                yield out
+                return
+            choices = []
+            for c in out.outputs:
+                if not c.delta_token_ids and not c.finished and not c.delta_text:
+                    continue
+                logprobs = None
+                if req.logprobs and c.logprobs is not None:
+                    logprobs = {"content": self._chat_logprobs(c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])}
+                choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                "logprobs": logprobs, "finish_reason": _finish_reason(c) if c.finished else None})
+            if out.finished:
+                final = out
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            extra = {"usage": _usage([final] if final else [])}
+            yield chunk([])
+        yield "data: [DONE]\n\n"
+
+    # -- running requests ---------------------------------------------------------------------------
+
+    async def _start(self, jobs: list[_Job], params: SamplingParams, chat: bool) -> list[AsyncIterator[RequestOutput]]:
+        """Submit every job. Validation errors surface here, before any response is sent, and
+        leave nothing running."""
+        streams: list[RequestStream] = []
+        try:
+            for job in jobs:
+                streams.append(await self.llm.add_request(job.request_id, job.prompt, params, chat))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return [self._tracked(stream) for stream in streams]
+
+    async def _tracked(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs, observed by the metrics; aborts the request if left early."""
+        tracker = RequestTracker(self.metrics, stream.request_id)
+        try:
+            async for out in stream:
+                tracker.observe(out)
+                yield out
+        finally:
+            stream.abort()  # a no-op once finished
+            tracker.close()
+
+    async def _collect(self, streams, is_disconnected: Callable) -> list[RequestOutput]:
+        """Run every stream to its final output; abort them all if the client goes away first."""
+
+        async def last(stream):
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        tasks = [asyncio.ensure_future(last(s)) for s in streams]
+        watcher = asyncio.ensure_future(is_disconnected())
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait([*pending, watcher], return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not watcher and t.exception() is not None:
+                        raise t.exception()
+                if watcher in done:
+                    raise ClientDisconnected()
+                pending.discard(watcher)
+            return [t.result() for t in tasks]
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                await s.aclose()
+
+    # -- logprobs ---------------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> list[dict]:
+        result = []
+        for lp in logprobs or []:
+            text = self._token_text(lp.token_id)
+            result.append({
+                "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := self._token_text(i)), "logprob": v, "bytes": list(t.encode())} for i, v in lp.top
+                ],
+            })
+        return result
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in logprobs or []:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            top.append({self._token_text(i): v for i, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as their items arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out = await queue.get()
+            if out is done:
+                remaining -= 1
+                if tasks[i].done() and tasks[i].exception() is not None:
+                    raise tasks[i].exception()
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def _errors_as_events(items: AsyncIterator) -> AsyncIterator:
+    """Pass items through; a server-side failure after the response started (shutdown, a dead
+    engine) becomes one final SSE error event (as a str, tagged like an item) and `[DONE]`."""
+    try:
+        async for item in items:
+            yield item
+    except (RequestAbortedError, EngineDeadError) as e:
+        body = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 503}}
+        yield None, _sse(body) + "data: [DONE]\n\n"
+
+
+def _prompt_list(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _message_dict(index: int, message) -> dict:
+    content = message.content
+    if isinstance(content, list):  # content parts: only text is understood
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{index}].content: only text parts are supported", param=f"messages.{index}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    return {"role": message.role, "content": content or ""}
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
