@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
+import logging
+import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import gguf
@@ -362,17 +368,38 @@ def _gguf_tokenizer(path: Path, reader: gguf.GGUFReader) -> PreTrainedTokenizerB
     return tokenizer
 
 
+# Tokenizers built from GGUF metadata, saved as ordinary tokenizer files (one directory per
+# GGUF file version), so a later process loads them in a fraction of a second.
+TOKENIZER_CACHE_DIR = Path.home() / ".cache" / "tokenmill" / "gguf-tokenizers"
+
+
 @functools.lru_cache(maxsize=4)
 def _gguf_tokenizer_cached(path: str, size: int, mtime_ns: int) -> PreTrainedTokenizerBase:
-    """Building a tokenizer from GGUF metadata takes seconds (transformers parses the file
-    again); loads of the same unchanged file share one, and callers get a deep copy of it."""
+    """Building a tokenizer from GGUF metadata takes seconds (transformers parses the whole
+    file again). Loads of the same unchanged file share one in this process (callers get a deep
+    copy), and it is kept on disk in TOKENIZER_CACHE_DIR, keyed by path, size and mtime."""
     from transformers import AutoTokenizer
 
     file = Path(path)
+    key = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:24]
+    cached = TOKENIZER_CACHE_DIR / key
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt below
+            _log.warning("ignoring the cached tokenizer %s: %s", cached, exc)
     try:
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as exc:
         raise ModelLoadError(f"{file}: cannot build the tokenizer from GGUF metadata ({exc})") from exc
+    try:
+        partial = cached.with_name(f"{key}.tmp{os.getpid()}")
+        tokenizer.save_pretrained(str(partial))
+        os.replace(partial, cached)  # atomic: concurrent processes never see half a directory
+    except OSError as exc:
+        _log.debug("not caching the tokenizer of %s: %s", file, exc)
+        shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------

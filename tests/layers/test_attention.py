@@ -1,0 +1,83 @@
+"""The reference attention backend on random data: paged decode (in length groups) and chunked
+prefill against plain causal attention over each sequence's contiguous K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
+from tokenmill.worker.model_runner import split_by_length
+
+
+def test_split_by_length_balances_padding_against_groups():
+    assert split_by_length([]) == []
+    assert split_by_length([3, 3, 3]) == [3]
+    # One long sequence among short ones gets its own group: padding 20 short ones to 40 blocks
+    # costs far more than one more group.
+    assert split_by_length([2] * 20 + [40]) == [20, 1]
+    # Nearly equal lengths stay together: splitting saves less than a group costs.
+    assert split_by_length([10, 10, 11, 11]) == [4]
+    # With no per-group cost every distinct length is its own group.
+    assert split_by_length([1, 2, 2, 3], group_cost=0) == [1, 2, 1]
+    sizes = split_by_length(sorted([5, 9, 1, 30, 31, 2, 17, 8] * 4))
+    assert sum(sizes) == 32 and all(s > 0 for s in sizes)
+
+
+def reference(q, k, v, scale):
+    """Causal attention of the last q_len positions of one sequence; GQA by repeating K/V."""
+    q_len, heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    pos_q = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos_q, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("group_cost", [0, 12, 10**9])  # many groups, some, one
+def test_paged_decode_and_chunked_prefill_match_reference(group_cost):
+    torch.manual_seed(0)
+    bs, kv_heads, heads, hd, scale = 4, 2, 6, 8, 0.3
+    decode_lens = sorted([1, 3, 4, 5, 9, 16, 17, 30])  # context incl. the new token, ascending
+    prefill = [(7, 7), (5, 12)]  # (chunk length, context length incl. the chunk)
+    seq_lens = decode_lens + [s for _, s in prefill]
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
+    key_cache = torch.zeros(num_blocks, bs, kv_heads, hd)
+    value_cache = torch.zeros_like(key_cache)
+    # Scatter each sequence's blocks over the cache in a shuffled order; block 0 stays unused.
+    free = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    full_k = [torch.randn(n, kv_heads, hd) for n in seq_lens]
+    full_v = [torch.randn(n, kv_heads, hd) for n in seq_lens]
+    q_lens = [1] * len(decode_lens) + [c for c, _ in prefill]
+    # Earlier context is already in the cache; this step's tokens come in as key/value.
+    new_k, new_v, slots = [], [], []
+    for table, n, q_len, k, v in zip(tables, seq_lens, q_lens, full_k, full_v):
+        for p in range(n):
+            slot = table[p // bs] * bs + p % bs
+            if p < n - q_len:
+                key_cache.view(-1, kv_heads, hd)[slot] = k[p]
+                value_cache.view(-1, kv_heads, hd)[slot] = v[p]
+            else:
+                slots.append(slot)
+        new_k.append(k[n - q_len:])
+        new_v.append(v[n - q_len:])
+    query = torch.randn(sum(q_lens), heads, hd)
+    groups, start = [], 0
+    for size in split_by_length([len(t) for t in tables[: len(decode_lens)]], group_cost):
+        width = len(tables[start + size - 1])
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start : start + size]])
+        lens = torch.tensor(decode_lens[start : start + size])
+        mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+        groups.append(DecodeGroup(size, padded, mask))
+        start += size
+    meta = AttentionMetadata(
+        num_decodes=len(decode_lens), slot_mapping=torch.tensor(slots), decode_groups=groups,
+        prefill_query_lens=[c for c, _ in prefill], prefill_seq_lens=[s for _, s in prefill],
+        prefill_block_ids=[torch.tensor(t) for t in tables[len(decode_lens):]],
+    )
+    out = TorchAttentionBackend().forward(query, torch.cat(new_k), torch.cat(new_v), (key_cache, value_cache), meta, scale)
+    expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(query.split(q_lens), full_k, full_v)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
