@@ -30,6 +30,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help=f"memory for the KV cache in GiB (default: {d.kv_cache_memory_gb})")
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                         help="number of KV-cache blocks, overriding --kv-cache-memory-gb")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="do not share KV blocks of equal prompt prefixes between requests")
+    parser.add_argument("--swap-space", dest="swap_space_gb", type=float, default=d.swap_space_gb,
+                        help="host memory in GiB for swapping out preempted requests' KV blocks, 0 = always "
+                             f"recompute (default: {d.swap_space_gb:g})")
+    parser.add_argument("--num-host-kv-blocks", type=int, default=d.num_host_kv_blocks,
+                        help="number of host KV blocks, overriding --swap-space")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help=f"token budget of one engine step (default: {d.max_num_batched_tokens})")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,

@@ -40,6 +40,12 @@ class EngineConfig:
     # Overrides the block count computed from kv_cache_memory_gb (tests use it to force preemption).
     num_kv_blocks: int | None = None
     # Scheduler: token budget per engine step and the most requests running at once.
+    # Prefix caching: full KV blocks are shared by hash between requests with the same prefix.
+    enable_prefix_caching: bool = True
+    # Host memory that preempted requests' KV blocks are swapped out to (0 = always recompute);
+    # num_host_kv_blocks overrides the block count computed from it.
+    swap_space_gb: float = 1.0
+    num_host_kv_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
@@ -60,6 +66,10 @@ class EngineConfig:
             _check_min("max_model_len", self.max_model_len, 1)
         if self.num_kv_blocks is not None:
             _check_min("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.num_host_kv_blocks is not None:
+            _check_min("num_host_kv_blocks", self.num_host_kv_blocks, 0)
+        if not self.swap_space_gb >= 0:
+            raise ConfigError("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
         if not self.kv_cache_memory_gb > 0:
             raise ConfigError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         if self.block_size & (self.block_size - 1):

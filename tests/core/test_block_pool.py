@@ -54,7 +54,7 @@ def test_over_asking_and_double_free_are_refused():
 
 
 def test_allocate_slots_takes_blocks_only_for_scheduled_tokens():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
     req = make_request("a", num_prompt=6)
     assert kv.allocate_slots(req, 6) == [0, 1]  # 6 tokens -> 2 blocks, none for future tokens
     req.num_computed_tokens = 6
@@ -66,7 +66,7 @@ def test_allocate_slots_takes_blocks_only_for_scheduled_tokens():
 
 
 def test_allocate_slots_changes_nothing_when_short_of_blocks():
-    kv = KVCacheManager(num_blocks=3, block_size=4)
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False)
     a, b = make_request("a", 8), make_request("b", 8)
     assert kv.allocate_slots(a, 8) == [0, 1]
     assert kv.allocate_slots(b, 8) is None
@@ -74,7 +74,7 @@ def test_allocate_slots_changes_nothing_when_short_of_blocks():
 
 
 def test_free_releases_tail_first():
-    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=False)
     req = make_request("a", 6)
     kv.allocate_slots(req, 6)
     kv.free(req)

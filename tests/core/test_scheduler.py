@@ -11,9 +11,11 @@ from tokenmill.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_scheduler(num_blocks=100, block_size=4, budget=16, max_seqs=8, max_model_len=256, chunked=True):
+def make_scheduler(num_blocks=100, block_size=4, budget=16, max_seqs=8, max_model_len=256, chunked=True,
+                   caching=False, host_blocks=0):
+    """Prefix caching and swapping off unless asked: these tests share prompts on purpose."""
     config = SchedulerConfig(budget, max_seqs, max_model_len, chunked)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=caching, num_host_blocks=host_blocks))
 
 
 def make_request(req_id, num_prompt, max_tokens=4, arrival=None, **params):

@@ -78,8 +78,9 @@ def test_disconnect_mid_stream_frees_the_request(server):
             events += line.startswith("data:")
             if events == 5:
                 break
-        running = metrics(server.url)
-        assert running["tokenmill_num_requests_running"] >= 1 and running["tokenmill_kv_cache_usage_perc"] > 0
+        running = wait_for(lambda: (m := metrics(server.url))["tokenmill_num_requests_running"] >= 1 and m,
+                           what="the stream's request to show as running")
+        assert running["tokenmill_kv_cache_usage_perc"] > 0
     wait_for(lambda: metrics(server.url)["tokenmill_num_requests_running"] == 0, what="the request to be aborted")
     after = metrics(server.url)
     assert after["tokenmill_kv_cache_usage_perc"] == 0

@@ -1,8 +1,9 @@
-"""Per-request block tables over a BlockPool: allocate slots for scheduled tokens, free on finish."""
+"""Per-request block tables over a BlockPool: prefix-cache lookups, slots for scheduled tokens,
+swap to a host pool, and freeing on finish."""
 
 from __future__ import annotations
 
-from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
 from tokenmill.core.request import Request
 
 
@@ -15,13 +16,33 @@ class KVCacheManager:
 
     A request holds exactly `cdiv(num_computed_tokens + num_scheduled_tokens, block_size)`
     blocks after `allocate_slots`: blocks are taken only for tokens scheduled now, never for
-    tokens not yet produced.
+    tokens not yet produced. With prefix caching, every block that the scheduled tokens fill is
+    registered under its hash as soon as it is allocated: the step that computes it runs before
+    any later step can read it, and within one step each layer writes all new K/V before any
+    attention reads the cache, so even a request admitted in the same step may share it.
+
+    A swapped-out request holds host blocks instead (same count, same order) until it is
+    swapped back in.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0, extra_key: bytes = b""):
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
+        self.enable_caching = enable_caching
+        self.extra_key = extra_key  # anything else that changes KV contents (e.g. a quantization id)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # how many leading blocks are registered
+        # Counters (cumulative).
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.num_copied_blocks = 0  # copy on write
+        self.num_forked_blocks = 0  # block references shared by forking (n > 1)
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -34,25 +55,143 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more KV entries after the request's computed ones.
-        Returns the ids of the blocks added to its table (maybe none), or None, changing
-        nothing, when too few blocks are free."""
+    # -- prefix cache --------------------------------------------------------------------------
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks (computed once, extended as tokens arrive)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], self.extra_key))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The longest chain of cached blocks that starts the request's tokens. At least the
+        last token is left out, so the step that admits it has logits to sample from."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs:
+            return []  # prompt logprobs need every prompt position computed
+        self.prefix_query_tokens += request.num_tokens
+        limit = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in self.block_hashes(request)[:limit]:
+            block = self.block_pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_hit_tokens += len(hits) * self.block_size
+        return hits
+
+    # -- allocation --------------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] = ()) -> list[int] | None:
+        """Make room for `num_new_tokens` more KV entries after the request's computed ones,
+        first adopting `computed_blocks` (prefix-cache hits for a request that holds no blocks
+        yet). A block the new tokens would write into that someone else also holds, or that is
+        registered in the prefix cache, is copied first (copy on write; the copies are queued
+        for `take_copies`). Returns the ids of the blocks that joined its table (hits and
+        copies included), or None, changing nothing, when too few blocks are free."""
         assert num_new_tokens > 0
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if num_needed > self.block_pool.num_free_blocks:
+        bs = self.block_size
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        assert not (computed_blocks and blocks), "prefix hits are adopted only by a request without blocks"
+        num_computed = request.num_computed_tokens + len(computed_blocks) * bs
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
+        written = range(num_computed // bs, min(len(blocks), self.num_blocks_for(num_computed + num_new_tokens)))
+        to_copy = [i for i in written if blocks[i].ref_cnt > 1 or blocks[i].block_hash is not None]
+        # Hits sitting in the free queue leave it when adopted: they count against the free blocks.
+        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_needed, 0) + len(to_copy) + num_free_hits > self.block_pool.num_free_blocks:
             return None
-        if num_needed <= 0:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
+        self.block_pool.touch(computed_blocks)
+        joined = list(computed_blocks)
+        for i in to_copy:
+            (fresh,) = self.block_pool.get_new_blocks(1)
+            self._copies.append((blocks[i].block_id, fresh.block_id))
+            self.block_pool.free_blocks([blocks[i]])
+            blocks[i] = fresh
+            joined.append(fresh)
+            self.num_copied_blocks += 1
+        new_blocks = self.block_pool.get_new_blocks(num_needed) if num_needed > 0 else []
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        blocks[:0] = computed_blocks
         blocks.extend(new_blocks)
-        return [b.block_id for b in new_blocks]
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return [b.block_id for b in (*joined, *new_blocks)]
+
+    def fork(self, child: Request, parent: Request, num_tokens: int) -> None:
+        """Let `child` share the parent's blocks holding its first `num_tokens` tokens (n > 1:
+        the samples of one prompt). The first write into a shared block copies it."""
+        assert child.request_id not in self.req_to_blocks
+        shared = self.req_to_blocks[parent.request_id][: self.num_blocks_for(num_tokens)]
+        self.block_pool.touch(shared)
+        self.req_to_blocks[child.request_id] = list(shared)
+        self._num_cached_blocks[child.request_id] = min(self._num_cached_blocks.get(parent.request_id, 0), len(shared))
+        self.num_forked_blocks += len(shared)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies queued since the last call, in order."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        start = self._num_cached_blocks.get(req_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self.block_hashes(request)
+        blocks = self.req_to_blocks[req_id]
+        for i in range(start, min(end, len(hashes))):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[req_id] = min(end, len(hashes))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def free(self, request: Request) -> None:
-        """Release every block of the request, tail first."""
+        """Release every block of the request, device and host, tail first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free_blocks(blocks[::-1])
+        self._num_cached_blocks.pop(request.request_id, None)
+        host = self.req_to_host_blocks.pop(request.request_id, None)
+        if host:
+            self.host_pool.free_blocks(host[::-1])
+
+    # -- swap to host --------------------------------------------------------------------------------
+
+    def is_swapped_out(self, request: Request) -> bool:
+        return request.request_id in self.req_to_host_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the host pool: returns (device block, host block) copies
+        to run before anything else this step, or None if the host pool has too few free
+        blocks. The device blocks are freed (cached prefixes among them stay cached)."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if self.host_pool is None or not blocks or len(blocks) > self.host_pool.num_free_blocks:
+            return None
+        host = self.host_pool.get_new_blocks(len(blocks))
+        self.req_to_host_blocks[request.request_id] = host
+        self.block_pool.free_blocks(blocks[::-1])
+        del self.req_to_blocks[request.request_id]
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.num_swapped_out_blocks += len(blocks)
+        return [(d.block_id, h.block_id) for d, h in zip(blocks, host)]
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether there are device blocks for its host blocks plus `num_new_tokens` more."""
+        total = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        return total <= self.block_pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped-out request back: returns (host block, device block) copies to run
+        before the step's forward pass. The caller checked `can_swap_in`."""
+        host = self.req_to_host_blocks.pop(request.request_id)
+        blocks = self.block_pool.get_new_blocks(len(host))
+        self.req_to_blocks[request.request_id] = blocks
+        self.host_pool.free_blocks(host[::-1])
+        self.num_swapped_in_blocks += len(host)
+        return [(h.block_id, d.block_id) for h, d in zip(host, blocks)]

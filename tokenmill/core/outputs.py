@@ -46,10 +46,17 @@ class SchedulerOutput:
     # Requests that left since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # KV block copies the runner performs before the forward pass, in this order:
+    # (device block, host block) for requests swapped out, (host block, device block) back in,
+    # then the copies.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # (source, destination) device block copies (copy on write), one after another, in order.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and not self.blocks_to_swap_out
 
 
 @dataclass

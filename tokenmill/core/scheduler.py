@@ -5,8 +5,11 @@ One policy covers prefill and decode: every running request wants
 token it just sampled). Running requests are served first, oldest first, then waiting ones are
 admitted FCFS while the token budget, `max_num_seqs` and free KV blocks allow. A prompt longer
 than the remaining budget is cut into chunks (chunked prefill), so decode tokens and prefill
-chunks of different requests share a step. When blocks run out, the newest running request is
-preempted: its blocks are freed and it is recomputed later from its prompt + output so far.
+chunks of different requests share a step. A request admitted from scratch first adopts the
+longest cached prefix of its tokens (prefix caching) and computes only the rest. When blocks run
+out, the newest running request is preempted: its blocks are copied to the host pool when it
+has room (swap; the request resumes where it was), else freed and recomputed later from its
+prompt + output so far (most of it usually comes back from the prefix cache).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of which the request was swapped out, not recomputed
 
     # -- admission -------------------------------------------------------------------------
 
@@ -85,6 +89,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
         preempted_now = False
 
         # 1. Running requests, oldest first.
@@ -95,7 +101,7 @@ class Scheduler:
             new_block_ids = self.kv.allocate_slots(req, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()  # the newest; never one scheduled earlier this step
-                self._preempt(victim)
+                self._preempt(victim, swap_out)
                 preempted_now = True
                 if victim is req:
                     break
@@ -110,13 +116,38 @@ class Scheduler:
         # 2. Waiting requests, first come first served; none while we are preempting.
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            new_block_ids = self.kv.allocate_slots(req, num_new)
-            if new_block_ids is None:
-                break
+            if self.kv.is_swapped_out(req):
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.can_swap_in(req, num_new):
+                    break
+                swap_in.extend(self.kv.swap_in(req))
+                new_block_ids = self.kv.allocate_slots(req, num_new)
+                assert new_block_ids is not None
+            elif (parent := self._fork_source(req)) is not None:
+                # n > 1: share the prompt's blocks with the sample that computed them, and
+                # compute only the last prompt token again, for this sample's own first token.
+                if not self.kv.num_free_blocks:
+                    break
+                self.kv.fork(req, parent, req.num_prompt_tokens)
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                num_new = 1
+                new_block_ids = self.kv.allocate_slots(req, num_new)
+                assert new_block_ids is not None
+                req.num_cached_tokens = req.num_prompt_tokens - 1
+            elif req.fork_parent is not None and self._fork_pending(req):
+                break  # FCFS: wait for the first sample's prompt rather than compute it twice
+            else:
+                computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+                num_cached = len(computed) * self.kv.block_size
+                num_new = req.num_tokens - req.num_computed_tokens - num_cached
+                if num_new > budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                new_block_ids = self.kv.allocate_slots(req, num_new, computed)
+                if new_block_ids is None:
+                    break
+                req.num_computed_tokens += num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -145,17 +176,40 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+            blocks_to_copy=self.kv.take_copies(),
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
         return out
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free all blocks; the request waits at the front of the queue
-        and later recomputes prompt + output so far, so its output is unchanged."""
-        self.kv.free(req)
+    def _fork_source(self, req: Request) -> Request | None:
+        """The sibling to fork from: running, with the whole prompt computed, and req fresh."""
+        parent = req.fork_parent
+        if (parent is None or req.num_computed_tokens or req.num_output_tokens or parent.is_finished
+                or parent.status != RequestStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens):
+            return None
+        return parent
+
+    def _fork_pending(self, req: Request) -> bool:
+        """Whether the sibling will soon have the prompt computed (so waiting for it pays)."""
+        parent = req.fork_parent
+        return (req.num_computed_tokens == 0 and not req.num_output_tokens and not parent.is_finished
+                and parent.status == RequestStatus.RUNNING and parent.num_computed_tokens < parent.num_prompt_tokens)
+
+    def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
+        """Swap the request's blocks out to the host pool if it has room (it resumes where it
+        stopped), else recompute preemption: free its blocks and later recompute prompt +
+        output so far, so its output is unchanged. Either way it waits at the front of the queue."""
+        copies = self.kv.swap_out(req)
+        if copies is not None:
+            swap_out.extend(copies)
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

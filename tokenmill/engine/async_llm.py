@@ -44,6 +44,12 @@ class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (prefill, including recomputation)
     num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of which found (not computed)
+    prefix_cache_evictions: int = 0  # cached blocks reused for other contents
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    bytes_per_block: int = 0
 
 
 class _Failed:
@@ -224,6 +230,13 @@ class AsyncLLM:
         s.num_waiting = len(core.scheduler.waiting)
         s.kv_cache_usage = core.kv_cache_manager.usage
         s.num_preemptions = core.scheduler.num_preemptions
+        kv = core.kv_cache_manager
+        s.prefix_cache_queries = kv.prefix_query_tokens
+        s.prefix_cache_hits = kv.prefix_hit_tokens
+        s.prefix_cache_evictions = kv.block_pool.num_evictions
+        s.num_swapped_out_blocks = kv.num_swapped_out_blocks
+        s.num_swapped_in_blocks = kv.num_swapped_in_blocks
+        s.bytes_per_block = core.runner.bytes_per_block
 
     def _count_step(self, engine: LLMEngine) -> None:
         s = self.stats
@@ -233,13 +246,15 @@ class AsyncLLM:
 
     def _log_stats(self, last: EngineStats, elapsed: float) -> None:
         s = self.stats
+        queries = s.prefix_cache_queries - last.prefix_cache_queries
+        hits = s.prefix_cache_hits - last.prefix_cache_hits
         logger.info(
             "engine: %d running, %d waiting, KV cache %.1f%% used, prompt %.1f tok/s, generation %.1f tok/s, "
-            "%d preemptions",
+            "prefix cache hit rate %.1f%%, %d preemptions, %d blocks swapped out",
             s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
             (s.num_prompt_tokens - last.num_prompt_tokens) / elapsed,
             (s.num_generation_tokens - last.num_generation_tokens) / elapsed,
-            s.num_preemptions,
+            100 * hits / queries if queries else 0.0, s.num_preemptions, s.num_swapped_out_blocks,
         )
 
     # -- on the event loop ----------------------------------------------------------------------

@@ -36,7 +36,10 @@ class EngineCore:
         self.last_num_prompt_tokens = 0
         self.last_num_generated_tokens = 0
         self.runner = ModelRunner(config, checkpoint, self.device, self.dtype, self.max_model_len)
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            num_host_blocks=self.runner.num_host_blocks,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -48,10 +51,11 @@ class EngineCore:
         )
         logger.info(
             "engine ready: %s on %s (%s, %d threads), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
-            "(%.0f MiB), max_model_len %d",
+            "(%.0f MiB) + %d host blocks for swapping, prefix caching %s, max_model_len %d",
             checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.load_seconds,
             self.runner.num_blocks, config.block_size,
-            self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20, self.max_model_len,
+            self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
+            self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,
         )
 
     def add_request(self, request: Request) -> None:

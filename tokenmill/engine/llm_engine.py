@@ -87,6 +87,8 @@ class LLMEngine:
         self.vocab_size = checkpoint.config.vocab_size
         self.core = EngineCore(config, checkpoint)
         self.max_model_len = self.core.max_model_len
+        # The most tokens one request can hold in the KV cache (one sample of it, at least).
+        self.kv_capacity_tokens = self.core.runner.num_blocks * config.block_size
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, tuple[_RequestState, _Sample]] = {}
 
@@ -130,7 +132,7 @@ class LLMEngine:
             text, token_ids = self.tokenize_prompt(prompt)
         num_prompt = len(token_ids)
         if params.max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
+            max_tokens = min(self.max_model_len, self.kv_capacity_tokens) - num_prompt
             if max_tokens < 1:
                 raise ContextLengthError(
                     "messages" if chat else "prompt",
@@ -147,6 +149,14 @@ class LLMEngine:
                     f"{num_prompt + max_tokens} tokens: {num_prompt} in the prompt, {max_tokens} for the completion. "
                     "Please reduce the prompt or max_tokens.",
                 )
+        if num_prompt + max_tokens > self.kv_capacity_tokens:
+            field = "max_tokens" if num_prompt < self.kv_capacity_tokens else ("messages" if chat else "prompt")
+            raise ContextLengthError(
+                field,
+                f"The server's KV cache holds {self.kv_capacity_tokens} tokens; you requested "
+                f"{num_prompt + max_tokens} tokens: {num_prompt} in the prompt, {max_tokens} for the completion. "
+                "Please reduce the prompt or max_tokens.",
+            )
         state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=time.monotonic()))
         if params.prompt_logprobs:
             state.prompt_logprobs = [None]  # the first prompt token has no context to predict it
@@ -156,6 +166,8 @@ class LLMEngine:
             )
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             child = Request(child_id, token_ids, child_params, self.eos_token_ids, max_tokens, state.metrics.arrival_time)
+            if index:  # the other samples share the first one's prompt blocks
+                child.fork_parent = state.samples[0].request
             completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
             if params.logprobs is not None:
                 completion.cumulative_logprob = 0.0

@@ -73,6 +73,17 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(arch.num_hidden_layers)
         ]
+        # The host pool that preempted requests are swapped out to (pinned for fast copies on CUDA).
+        self.num_host_blocks = (
+            config.num_host_kv_blocks if config.num_host_kv_blocks is not None
+            else self._blocks_for_budget(config.swap_space_gb, arch) if config.swap_space_gb > 0 else 0
+        )
+        host_shape = (self.num_host_blocks, *shape[1:])
+        pin = self.device.type == "cuda"
+        self.host_kv_caches = [
+            (torch.empty(host_shape, dtype=self.dtype, pin_memory=pin), torch.empty(host_shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(arch.num_hidden_layers if self.num_host_blocks else 0)
+        ]
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -80,9 +91,26 @@ class ModelRunner:
         a = self.model.config
         return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self.dtype.itemsize
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.kv_bytes_per_token()
+
     def _blocks_for_budget(self, memory_gb: float, arch) -> int:
         bytes_per_block = 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
         return max(1, int(memory_gb * 2**30) // bytes_per_block)
+
+    def _swap(self, copies: list[tuple[int, int]], out: bool) -> None:
+        """Copy whole blocks between the device cache and the host pool, every layer."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
+        for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+            for dev_cache, host_cache in zip(device_kv, host_kv):
+                if out:
+                    host_cache.index_copy_(0, dst, dev_cache.index_select(0, src.to(self.device)).cpu())
+                else:
+                    dev_cache.index_copy_(0, dst.to(self.device), host_cache.index_select(0, src).to(self.device))
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -99,7 +127,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
-        if sched.is_empty:
+        # Block copies first: a block swapped out this step may be reused by this step's tokens.
+        self._swap(sched.blocks_to_swap_out, out=True)
+        self._swap(sched.blocks_to_swap_in, out=False)
+        for src, dst in sched.blocks_to_copy:  # in order: a copy may read an earlier one's result
+            for layer in self.kv_caches:
+                for cache in layer:
+                    cache[dst].copy_(cache[src])
+        if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={})
         # Decodes (one query token) first, shortest context first, then prefill chunks, as the
         # attention backend expects.

@@ -14,12 +14,15 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from types import UnionType
+from typing import Annotated, Union, get_args, get_origin
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
@@ -85,11 +88,16 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e: RequestValidationError):
-        first = e.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        errors = e.errors()
+        first = errors[0]
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
-        param = ".".join(loc) or None
+        model = _BODY_MODELS.get(request.url.path)
+        param = _error_param(model, first.get("loc", ()))
+        # A union field fails once per member ("temperature.float", "temperature.int"); a member
+        # that took the type but broke a constraint (17 stop strings: too_long) says the most.
+        same = [err for err in errors if _error_param(model, err.get("loc", ())) == param]
+        first = next((err for err in same if not str(err.get("type", "")).endswith("_type")), first)
         msg = first.get("msg", "invalid value")
         where = f"{param}: " if param else "request body: "
         return error_response(400, f"{where}{msg} (got {_short(first.get('input'))})", param)
@@ -249,7 +257,7 @@ class _BodySizeLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _BodyTooLarge()
+                    raise _BodyTooLarge(self.limit)
             return message
 
         try:
@@ -258,8 +266,11 @@ class _BodySizeLimit:
             await _too_large(self.limit, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    # An HTTPException, so that FastAPI passes it on while reading the body (any other error
+    # there becomes a 400 "error parsing the body") and the handler answers 413.
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body is larger than {limit} bytes")
 
 
 async def _too_large(limit: int, send) -> None:
@@ -268,6 +279,53 @@ async def _too_large(limit: int, send) -> None:
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+_BODY_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
+def _error_param(model: type[BaseModel] | None, loc) -> str | None:
+    """The request field a validation error's location names, as OpenAI's `param`: field names
+    and list indices into nested messages ("messages.0.role"). Pydantic's location goes on with
+    the union member it tried ("temperature.float", "prompt.str") and with list indices and map
+    keys inside plain values ("logit_bias.5.float"); those are cut off."""
+    loc = [p for p in loc if p != "body"]
+    if model is None:
+        return str(loc[0]) if loc else None
+    parts: list[str] = []
+    i = 0
+    while model is not None and i < len(loc) and isinstance(loc[i], str) and loc[i] in model.model_fields:
+        parts.append(loc[i])
+        model, is_list = _nested_model(model.model_fields[loc[i]].annotation)
+        i += 1
+        if model is not None and is_list:
+            if i < len(loc) and isinstance(loc[i], int):
+                parts.append(str(loc[i]))
+                i += 1
+            else:
+                break
+    return ".".join(parts) or None
+
+
+def _nested_model(annotation) -> tuple[type[BaseModel] | None, bool]:
+    """(the model a field holds, whether as a list of them), or (None, False) for plain values."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _nested_model(get_args(annotation)[0])
+    if origin is Union or origin is UnionType:
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        return _nested_model(members[0]) if len(members) == 1 else (None, False)
+    if origin is list:
+        inner, _ = _nested_model(get_args(annotation)[0])
+        return (inner, True) if inner is not None else (None, False)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    return None, False
 
 
 def _short(value, limit: int = 80) -> str:

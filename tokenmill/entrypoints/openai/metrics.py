@@ -72,6 +72,14 @@ class _EngineCounters:
             ("tokenmill_engine_steps", "Engine iterations run", s.num_steps),
             ("tokenmill_prefill_tokens", "Tokens prefilled, including recomputation after preemption",
              s.num_prompt_tokens),
+            ("tokenmill_prefix_cache_queries", "Tokens looked up in the prefix cache", s.prefix_cache_queries),
+            ("tokenmill_prefix_cache_hits", "Tokens found in the prefix cache (not computed)", s.prefix_cache_hits),
+            ("tokenmill_prefix_cache_evictions", "Cached KV blocks evicted for new contents", s.prefix_cache_evictions),
+            ("tokenmill_swapped_out_blocks", "KV blocks swapped out to host memory", s.num_swapped_out_blocks),
+            ("tokenmill_swapped_in_blocks", "KV blocks swapped back in from host memory", s.num_swapped_in_blocks),
+            ("tokenmill_swapped_out_bytes", "Bytes of KV swapped out to host memory",
+             s.num_swapped_out_blocks * s.bytes_per_block),
+            ("tokenmill_swapped_in_bytes", "Bytes of KV swapped back in", s.num_swapped_in_blocks * s.bytes_per_block),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -21,7 +21,7 @@ from tokenmill.entrypoints.openai.protocol import (
     now,
 )
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 # Samples per request (`n`): each is a sequence in the batch, so this bounds what one request
 # can take from everyone else.
@@ -177,6 +177,12 @@ class OpenAIServing:
             raise unsupported("response_format", " (only {\"type\": \"text\"})")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise APIError(400, f"max_completion_tokens must be >= 1, got {req.max_completion_tokens}",
+                           param="max_completion_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs)
@@ -189,7 +195,15 @@ class OpenAIServing:
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         base = completion_id("chatcmpl")
         jobs = [_Job(base, prompt, 0)]
-        streams = await self._start(jobs, params, chat=True)
+        try:
+            streams = await self._start(jobs, params, chat=True)
+        except (InvalidPromptError, SamplingParamsError, APIError) as e:
+            # name the field the client sent (max_completion_tokens wins over max_tokens)
+            if req.max_completion_tokens is not None and getattr(e, "field", None) == "max_tokens":
+                e.field = "max_completion_tokens"
+            if req.max_completion_tokens is not None and getattr(e, "param", None) == "max_tokens":
+                e.param = "max_completion_tokens"
+            raise
         if req.stream:
             return self._stream_chat(base, streams[0], req)
         (final,) = await self._collect(streams, is_disconnected)
