@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=_serve)
+    from tokenmill.bench.args import add_bench_parsers  # stdlib only; each bench command imports the rest when run
+
+    add_bench_parsers(sub)
     return parser
 
 
