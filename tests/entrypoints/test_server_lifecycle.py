@@ -74,13 +74,17 @@ def test_disconnect_mid_stream_frees_the_request(server):
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         events = 0
-        for line in r.iter_lines():
+        # Keep a reference to the line iterator: a generator collected on `break` closes the
+        # connection at once, and the request must still be running while we look at it.
+        lines = r.iter_lines()
+        for line in lines:
             events += line.startswith("data:")
             if events == 5:
                 break
         running = wait_for(lambda: (m := metrics(server.url))["tokenmill_num_requests_running"] >= 1 and m,
                            what="the stream's request to show as running")
         assert running["tokenmill_kv_cache_usage_perc"] > 0
+        del lines
     wait_for(lambda: metrics(server.url)["tokenmill_num_requests_running"] == 0, what="the request to be aborted")
     after = metrics(server.url)
     assert after["tokenmill_kv_cache_usage_perc"] == 0
