@@ -17,7 +17,7 @@ def run(kv: KVCacheManager, r: Request) -> list[int]:
     """Admit r as the scheduler does (adopt hits, allocate the rest), mark it computed."""
     hits = kv.get_computed_blocks(r)
     r.num_computed_tokens = 0
-    ids = kv.allocate_slots(r, r.num_tokens - len(hits) * BS, hits)
+    ids = kv.allocate_slots(r, r.num_tokens - len(hits or ()) * BS, hits)
     assert ids is not None
     r.num_computed_tokens = r.num_tokens
     return kv.get_block_ids(r.request_id)
@@ -249,3 +249,17 @@ def test_a_sample_whose_first_sibling_is_gone_is_admitted_normally():
     (new,) = sched.scheduled_new_reqs
     assert new.req_id == "a#1" and new.num_computed_tokens == 8  # two blocks from the prefix cache
     assert sched.blocks_to_copy == []
+
+
+def test_a_request_that_waits_for_blocks_is_counted_in_the_prefix_stats_once():
+    s = make_scheduler(num_blocks=4, block_size=BS, budget=32, caching=True)
+    fake = FakeModel(s)
+    s.add_request(req("a", list(range(1, 13)), max_tokens=4))  # 3 blocks, growing to 4
+    s.add_request(req("b", list(range(50, 58)), max_tokens=4))  # needs 2 of the 1 left: waits for a
+    fake.step()
+    steps_waited = 0
+    while "b" in s.requests and s.requests["b"].status == RequestStatus.WAITING:
+        fake.step()
+        steps_waited += 1
+    assert steps_waited >= 1
+    assert s.kv.prefix_query_tokens == 12 + 8  # a once, b once, however many steps b waited

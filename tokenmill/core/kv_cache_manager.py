@@ -30,7 +30,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
-        self.enable_caching = enable_caching
         self.extra_key = extra_key  # anything else that changes KV contents (e.g. a quantization id)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -43,6 +42,10 @@ class KVCacheManager:
         self.num_copied_blocks = 0  # copy on write
         self.num_forked_blocks = 0  # block references shared by forking (n > 1)
         self._copies: list[tuple[int, int]] = []
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.block_pool.enable_caching
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,12 +69,14 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], self.extra_key))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
-        """The longest chain of cached blocks that starts the request's tokens. At least the
-        last token is left out, so the step that admits it has logits to sample from."""
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock] | None:
+        """The longest chain of cached blocks that starts the request's tokens (None: no lookup,
+        caching is off or the request wants prompt logprobs, which need every prompt position
+        computed). At least the last token is left out, so the step that admits it has logits
+        to sample from. Pass the result to `allocate_slots`, which counts the lookup once it
+        succeeds (a request that has to wait is looked up again next step)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs:
-            return []  # prompt logprobs need every prompt position computed
-        self.prefix_query_tokens += request.num_tokens
+            return None
         limit = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in self.block_hashes(request)[:limit]:
@@ -79,21 +84,22 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_hit_tokens += len(hits) * self.block_size
         return hits
 
     # -- allocation --------------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] = ()) -> list[int] | None:
+                       computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
         """Make room for `num_new_tokens` more KV entries after the request's computed ones,
-        first adopting `computed_blocks` (prefix-cache hits for a request that holds no blocks
-        yet). A block the new tokens would write into that someone else also holds, or that is
+        first adopting `computed_blocks` (the `get_computed_blocks` result for a request that
+        holds no blocks yet; counted in the prefix-cache stats on success). A block the new tokens would write into that someone else also holds, or that is
         registered in the prefix cache, is copied first (copy on write; the copies are queued
         for `take_copies`). Returns the ids of the blocks that joined its table (hits and
         copies included), or None, changing nothing, when too few blocks are free."""
         assert num_new_tokens > 0
         bs = self.block_size
+        looked_up = computed_blocks is not None
+        computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         assert not (computed_blocks and blocks), "prefix hits are adopted only by a request without blocks"
         num_computed = request.num_computed_tokens + len(computed_blocks) * bs
@@ -104,6 +110,9 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_needed, 0) + len(to_copy) + num_free_hits > self.block_pool.num_free_blocks:
             return None
+        if looked_up:
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += len(computed_blocks) * bs
         self.block_pool.touch(computed_blocks)
         joined = list(computed_blocks)
         for i in to_copy:
@@ -137,7 +146,7 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
-            return
+            return  # (not needed for correctness: it saves hashing)
         req_id = request.request_id
         start = self._num_cached_blocks.get(req_id, 0)
         end = num_tokens // self.block_size

@@ -61,9 +61,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
-        self.block_hashes: list[bytes] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of its full blocks (KVCacheManager)
         # n > 1: the first sample of the same prompt; this one forks from its prompt blocks.
-        self.fork_parent: Request | None = None  # prefix-cache hashes of its full blocks (KVCacheManager)
+        self.fork_parent: Request | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property

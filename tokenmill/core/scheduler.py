@@ -123,9 +123,11 @@ class Scheduler:
                 swap_in.extend(self.kv.swap_in(req))
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 assert new_block_ids is not None
-            elif (parent := self._fork_source(req)) is not None:
+            elif (parent := self._fork_parent(req)) is not None:
                 # n > 1: share the prompt's blocks with the sample that computed them, and
                 # compute only the last prompt token again, for this sample's own first token.
+                if parent.num_computed_tokens < parent.num_prompt_tokens:
+                    break  # FCFS: wait for the first sample's prompt rather than compute it twice
                 if not self.kv.num_free_blocks:
                     break
                 self.kv.fork(req, parent, req.num_prompt_tokens)
@@ -134,11 +136,9 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 assert new_block_ids is not None
                 req.num_cached_tokens = req.num_prompt_tokens - 1
-            elif req.fork_parent is not None and self._fork_pending(req):
-                break  # FCFS: wait for the first sample's prompt rather than compute it twice
             else:
-                computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-                num_cached = len(computed) * self.kv.block_size
+                computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else None
+                num_cached = len(computed or ()) * self.kv.block_size
                 num_new = req.num_tokens - req.num_computed_tokens - num_cached
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
@@ -184,19 +184,14 @@ class Scheduler:
         self._preempted_req_ids = set()
         return out
 
-    def _fork_source(self, req: Request) -> Request | None:
-        """The sibling to fork from: running, with the whole prompt computed, and req fresh."""
+    @staticmethod
+    def _fork_parent(req: Request) -> Request | None:
+        """The sibling whose prompt blocks a fresh `req` can share: one that is running (so it
+        holds its blocks; its prompt may still be being computed)."""
         parent = req.fork_parent
-        if (parent is None or req.num_computed_tokens or req.num_output_tokens or parent.is_finished
-                or parent.status != RequestStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens):
+        if parent is None or req.num_computed_tokens or req.num_output_tokens or parent.status != RequestStatus.RUNNING:
             return None
         return parent
-
-    def _fork_pending(self, req: Request) -> bool:
-        """Whether the sibling will soon have the prompt computed (so waiting for it pays)."""
-        parent = req.fork_parent
-        return (req.num_computed_tokens == 0 and not req.num_output_tokens and not parent.is_finished
-                and parent.status == RequestStatus.RUNNING and parent.num_computed_tokens < parent.num_prompt_tokens)
 
     def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
         """Swap the request's blocks out to the host pool if it has room (it resumes where it
