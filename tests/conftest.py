@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
 from tokenmill.models.registry import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 
@@ -62,3 +63,13 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_checkpoint:
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def server(default_model_path, tmp_path_factory):
+    """One `tokenmill serve` on the default model (BASE_FLAGS) for every test that needs a server."""
+    proc = ServerProcess(MODEL, *BASE_FLAGS, log_path=tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()

@@ -108,7 +108,7 @@ def test_sweep_writes_all_runs_and_a_plot(tmp_path, capsys):
 
 
 def test_unreachable_server_fails_every_request_and_exits_1(tmp_path, capsys):
-    from tests.entrypoints.conftest import free_port
+    from tests.serving import free_port
 
     code, out = _bench(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--dataset",
                         "jsonl", "--dataset-path", _workload(tmp_path, ["ok"] * 2), "--num-requests", "2"], capsys)

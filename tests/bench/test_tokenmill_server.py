@@ -53,8 +53,8 @@ def _check_consistent(result: dict, num_requests: int) -> None:
     assert s["output_throughput"] == pytest.approx(s["total_output_tokens"] / s["duration_s"])
 
 
-def test_random_completions_at_fixed_concurrency(bench_server, tmp_path, capsys):
-    result = _run(bench_server, tmp_path, capsys, "--dataset", "random", "--num-requests", "8", "--input-len", "16:48",
+def test_random_completions_at_fixed_concurrency(server, tmp_path, capsys):
+    result = _run(server, tmp_path, capsys, "--dataset", "random", "--num-requests", "8", "--input-len", "16:48",
                   "--output-len", "4:8", "--concurrency", "4", "--slo", "ttft_p99=20s,tpot=2s",
                   "--cost-per-hour", "3.6")
     _check_consistent(result, 8)
@@ -70,8 +70,8 @@ def test_random_completions_at_fixed_concurrency(bench_server, tmp_path, capsys)
     assert len(s["slo"]["checks"]) == 2 and s["slo"]["good_requests"] <= 8
 
 
-def test_shared_prefix_chat_with_poisson_arrivals(bench_server, tmp_path, capsys):
-    result = _run(bench_server, tmp_path, capsys, "--dataset", "shared-prefix", "--num-requests", "6",
+def test_shared_prefix_chat_with_poisson_arrivals(server, tmp_path, capsys):
+    result = _run(server, tmp_path, capsys, "--dataset", "shared-prefix", "--num-requests", "6",
                   "--num-groups", "2", "--system-prompt-len", "64", "--question-len", "8", "--output-len", "6",
                   "--request-rate", "10", "--concurrency", "3", "--seed", "1")
     _check_consistent(result, 6)
@@ -85,8 +85,8 @@ def test_shared_prefix_chat_with_poisson_arrivals(bench_server, tmp_path, capsys
     assert all(r["start_time_s"] >= r["scheduled_time_s"] for r in reqs)
 
 
-def test_gsm8k_chat_burst_stops_at_eos_or_max_tokens(bench_server, tmp_path, capsys):
-    result = _run(bench_server, tmp_path, capsys, "--dataset", "gsm8k", "--num-requests", "6", "--output-len", "8")
+def test_gsm8k_chat_burst_stops_at_eos_or_max_tokens(server, tmp_path, capsys):
+    result = _run(server, tmp_path, capsys, "--dataset", "gsm8k", "--num-requests", "6", "--output-len", "8")
     _check_consistent(result, 6)
     assert result["load"] == "burst" and result["config"]["ignore_eos"] is None
     assert all(r["finish_reason"] in ("stop", "length") for r in result["requests"])
@@ -94,14 +94,14 @@ def test_gsm8k_chat_burst_stops_at_eos_or_max_tokens(bench_server, tmp_path, cap
     assert all(r["prompt_tokens"] > 20 for r in result["requests"])
 
 
-def test_tokenize_endpoint_is_what_random_prompts_are_cut_with(bench_server):
+def test_tokenize_endpoint_is_what_random_prompts_are_cut_with(server):
     from tokenmill.bench.tokenizer import ServerTokenizer
 
-    tok = ServerTokenizer(bench_server.url, {})
+    tok = ServerTokenizer(server.url, {})
     try:
         ids = tok.encode("The quick brown fox jumps over the lazy dog.")
         assert 5 <= len(ids) <= 15
         assert tok.decode(ids) == "The quick brown fox jumps over the lazy dog."
     finally:
         tok.close()
-    assert httpx.get(f"{bench_server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200

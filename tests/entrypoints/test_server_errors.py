@@ -2,7 +2,7 @@
 the right 4xx status and an OpenAI-shaped error body naming the offending field, and the server
 goes on serving (a small valid request right after it succeeds).
 
-The two KV-cache cases depend on the shared server's flags (tests/entrypoints/conftest.py:
+The two KV-cache cases depend on the shared server's flags (tests/serving.py:
 --kv-cache-memory-gb 0.25 in fp32 is 364 blocks of 16 = 5824 tokens, under max_model_len 8192).
 """
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.entrypoints.conftest import BASE_FLAGS, MODEL, ServerProcess
+from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
 
