@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
-from tokenmill.worker.model_runner import split_by_length
+from tokenmill.layers.attention import AttentionMetadata, TorchAttentionBackend
+from tokenmill.worker.model_runner import build_decode_groups, split_by_length
 
 
 def test_split_by_length_balances_padding_against_groups():
@@ -65,14 +65,11 @@ def test_paged_decode_and_chunked_prefill_match_reference(group_cost):
         new_k.append(k[n - q_len:])
         new_v.append(v[n - q_len:])
     query = torch.randn(sum(q_lens), heads, hd)
-    groups, start = [], 0
-    for size in split_by_length([len(t) for t in tables[: len(decode_lens)]], group_cost):
-        width = len(tables[start + size - 1])
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start : start + size]])
-        lens = torch.tensor(decode_lens[start : start + size])
-        mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
-        groups.append(DecodeGroup(size, padded, mask))
-        start += size
+    groups = build_decode_groups(tables[: len(decode_lens)], decode_lens, bs, "cpu", group_cost)
+    if group_cost == 0:  # one group per distinct block count
+        assert len(groups) == len({-(-n // bs) for n in decode_lens})
+    if group_cost == 10**9:
+        assert len(groups) == 1
     meta = AttentionMetadata(
         num_decodes=len(decode_lens), slot_mapping=torch.tensor(slots), decode_groups=groups,
         prefill_query_lens=[c for c, _ in prefill], prefill_seq_lens=[s for _, s in prefill],

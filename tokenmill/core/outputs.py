@@ -54,10 +54,6 @@ class SchedulerOutput:
     # (source, destination) device block copies (copy on write), one after another, in order.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0 and not self.blocks_to_swap_out
-
 
 @dataclass
 class ModelRunnerOutput:

@@ -64,10 +64,9 @@ class RequestStream:
     progressed, the last with `finished`. `abort()` (or leaving early through `aclose()`) stops
     the request before the engine's next step and frees its KV blocks."""
 
-    def __init__(self, llm: "AsyncLLM", request_id: str, q: asyncio.Queue, num_prompt_tokens: int):
+    def __init__(self, llm: "AsyncLLM", request_id: str, q: asyncio.Queue):
         self.llm = llm
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
         self._queue = q
         self.finished = False
 
@@ -78,13 +77,12 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
-        if isinstance(item, _Failed):
+        failed = isinstance(item, _Failed)
+        if failed or item.finished:
             self.finished = True
             self.llm._release(self.request_id, abort=False)
+        if failed:
             raise item.error
-        if item.finished:
-            self.finished = True
-            self.llm._release(self.request_id, abort=False)
         return item
 
     def abort(self) -> None:
@@ -138,10 +136,6 @@ class AsyncLLM:
         """Requests accepted and not yet finished (as the event loop sees them)."""
         return len(self._queues)
 
-    @property
-    def num_waiting(self) -> int:
-        return self.stats.num_waiting
-
     # -- requests -------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, chat: bool = False) -> RequestStream:
@@ -156,7 +150,7 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._commands.put(("add", prepared))
-        return RequestStream(self, request_id, q, prepared.num_prompt_tokens)
+        return RequestStream(self, request_id, q)
 
     def abort_all(self, reason: str = "the server is shutting down") -> None:
         """Abort every request; each one's stream raises RequestAbortedError."""

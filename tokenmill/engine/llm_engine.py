@@ -71,10 +71,6 @@ class PreparedRequest:
     def request_id(self) -> str:
         return self.state.request_id
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.state.prompt_token_ids)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -141,22 +137,15 @@ class LLMEngine:
                 )
         else:
             max_tokens = params.max_tokens
-            if num_prompt + max_tokens > self.max_model_len:
-                field = "max_tokens" if num_prompt < self.max_model_len else ("messages" if chat else "prompt")
+        for limit, what in ((self.max_model_len, "This model's maximum context length is"),
+                            (self.kv_capacity_tokens, "The server's KV cache holds")):
+            if num_prompt + max_tokens > limit:
+                field = "max_tokens" if num_prompt < limit else ("messages" if chat else "prompt")
                 raise ContextLengthError(
                     field,
-                    f"This model's maximum context length is {self.max_model_len} tokens; you requested "
-                    f"{num_prompt + max_tokens} tokens: {num_prompt} in the prompt, {max_tokens} for the completion. "
-                    "Please reduce the prompt or max_tokens.",
+                    f"{what} {limit} tokens; you requested {num_prompt + max_tokens} tokens: {num_prompt} in the "
+                    f"prompt, {max_tokens} for the completion. Please reduce the prompt or max_tokens.",
                 )
-        if num_prompt + max_tokens > self.kv_capacity_tokens:
-            field = "max_tokens" if num_prompt < self.kv_capacity_tokens else ("messages" if chat else "prompt")
-            raise ContextLengthError(
-                field,
-                f"The server's KV cache holds {self.kv_capacity_tokens} tokens; you requested "
-                f"{num_prompt + max_tokens} tokens: {num_prompt} in the prompt, {max_tokens} for the completion. "
-                "Please reduce the prompt or max_tokens.",
-            )
         state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=time.monotonic()))
         if params.prompt_logprobs:
             state.prompt_logprobs = [None]  # the first prompt token has no context to predict it

@@ -103,14 +103,14 @@ class ModelRunner:
         """Copy whole blocks between the device cache and the host pool, every layer."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
+        device_ids = torch.tensor([c[0 if out else 1] for c in copies], dtype=torch.long, device=self.device)
+        host_ids = torch.tensor([c[1 if out else 0] for c in copies], dtype=torch.long)
         for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
             for dev_cache, host_cache in zip(device_kv, host_kv):
                 if out:
-                    host_cache.index_copy_(0, dst, dev_cache.index_select(0, src.to(self.device)).cpu())
+                    host_cache.index_copy_(0, host_ids, dev_cache.index_select(0, device_ids).cpu())
                 else:
-                    dev_cache.index_copy_(0, dst.to(self.device), host_cache.index_select(0, src).to(self.device))
+                    dev_cache.index_copy_(0, device_ids, host_cache.index_select(0, host_ids).to(self.device))
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             num_decodes=len(decode_tables),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_groups=self._decode_groups(decode_tables, decode_seq_lens),
+            decode_groups=build_decode_groups(decode_tables, decode_seq_lens, bs, dev),
             prefill_query_lens=prefill_q_lens,
             prefill_seq_lens=prefill_seq_lens,
             prefill_block_ids=[b.to(dev) for b in prefill_blocks],
@@ -217,19 +217,6 @@ class ModelRunner:
                 out.top_logprobs[req_id] = [sampled.top_logprobs[i]]
         return out
 
-    def _decode_groups(self, tables: list[list[int]], seq_lens: list[int]) -> list[DecodeGroup]:
-        groups = []
-        start = 0
-        for size in split_by_length([len(t) for t in tables]):
-            end = start + size
-            width = len(tables[end - 1])  # the longest of the group: tables are sorted by length
-            padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]], dtype=torch.long)
-            lens = torch.tensor(seq_lens[start:end], dtype=torch.long)
-            mask = (torch.arange(width * self.block_size)[None, :] < lens[:, None])[:, None, None, :]
-            groups.append(DecodeGroup(num_seqs=size, block_tables=padded.to(self.device), mask=mask.to(self.device)))
-            start = end
-        return groups
-
     def _token_logprobs(self, hidden: torch.Tensor, indices: range, targets: list[int], rows_per_slice: int = 256) -> list[float]:
         """log p(targets[i] | context up to flat position indices[i]), a slice of rows at a time
         so the [rows, vocab] logits stay small."""
@@ -249,6 +236,23 @@ class ModelRunner:
             output_token_ids=state.token_ids[state.num_prompt_tokens :],
             eos_token_ids=state.eos_token_ids,
         )
+
+
+def build_decode_groups(tables: list[list[int]], seq_lens: list[int], block_size: int, device,
+                        group_cost: int = 12) -> list[DecodeGroup]:
+    """The decodes' padded block tables and masks, in groups of similar length (`split_by_length`);
+    `tables` are sorted by length, shortest first, and `seq_lens` count the new token."""
+    groups = []
+    start = 0
+    for size in split_by_length([len(t) for t in tables], group_cost):
+        end = start + size
+        width = len(tables[end - 1])  # the longest of the group
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]], dtype=torch.long)
+        lens = torch.tensor(seq_lens[start:end], dtype=torch.long)
+        mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
+        groups.append(DecodeGroup(num_seqs=size, block_tables=padded.to(device), mask=mask.to(device)))
+        start = end
+    return groups
 
 
 def split_by_length(lengths: list[int], group_cost: int = 12) -> list[int]:

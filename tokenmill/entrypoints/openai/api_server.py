@@ -148,7 +148,15 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             if message["type"] == "http.disconnect":
                 return
 
-    async def respond(request: Request, result):
+    async def generate(request: Request, handler, body):
+        """Run `handler(serving, body, is_disconnected)` behind the guards: a JSON answer, or SSE."""
+        check_auth(request)
+        s = serving()
+        check_capacity()
+        try:
+            result = await handler(s, body, lambda: disconnected(request))
+        except ClientDisconnected:
+            return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",
@@ -158,25 +166,11 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_auth(request)
-        s = serving()
-        check_capacity()
-        try:
-            result = await s.completions(body, lambda: disconnected(request))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return await respond(request, result)
+        return await generate(request, OpenAIServing.completions, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_auth(request)
-        s = serving()
-        check_capacity()
-        try:
-            result = await s.chat_completions(body, lambda: disconnected(request))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return await respond(request, result)
+        return await generate(request, OpenAIServing.chat_completions, body)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -94,7 +94,7 @@ class DetokenizeRequest(_Body):
     tokens: list[StrictInt]
 
 
-# -- responses (plain dicts are enough for the streaming chunks; these document the shape) -------
+# -- responses are plain dicts; these name and date them -------------------------------------------
 
 
 def completion_id(prefix: str) -> str:
@@ -103,20 +103,3 @@ def completion_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

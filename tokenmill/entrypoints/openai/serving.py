@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from dataclasses import dataclass
 
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError, RequestStream
@@ -20,7 +18,7 @@ from tokenmill.entrypoints.openai.protocol import (
     completion_id,
     now,
 )
-from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tokenmill.outputs import RequestOutput, TokenLogprob
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 # Samples per request (`n`): each is a sequence in the batch, so this bounds what one request
@@ -125,7 +123,7 @@ class OpenAIServing:
                     "index": job.first_index + c.index,
                     "text": job.echo_text + c.text,
                     "logprobs": self._completion_logprobs(c.logprobs, 0) if params.logprobs is not None else None,
-                    "finish_reason": _finish_reason(c),
+                    "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })
         return {"id": base, "object": "text_completion", "created": now(), "model": self.model_name,
@@ -155,7 +153,7 @@ class OpenAIServing:
                     logprobs = self._completion_logprobs(new, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(text)
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": _finish_reason(c) if c.finished else None,
+                                "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason if c.finished else None})
             if out.finished:
                 finals.append(out)
@@ -211,7 +209,7 @@ class OpenAIServing:
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
             "logprobs": {"content": self._chat_logprobs(c.logprobs)} if req.logprobs else None,
-            "finish_reason": _finish_reason(c),
+            "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         } for c in final.outputs]
         return {"id": base, "object": "chat.completion", "created": now(), "model": self.model_name,
@@ -241,7 +239,7 @@ class OpenAIServing:
                 if req.logprobs and c.logprobs is not None:
                     logprobs = {"content": self._chat_logprobs(c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])}
                 choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                "logprobs": logprobs, "finish_reason": _finish_reason(c) if c.finished else None})
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
             if out.finished:
                 final = out
             if choices:
@@ -405,10 +403,6 @@ def _message_dict(index: int, message) -> dict:
     return {"role": message.role, "content": content or ""}
 
 
-def _finish_reason(c: CompletionOutput) -> str | None:
-    return c.finish_reason
-
-
 def _usage(finals: list[RequestOutput]) -> dict:
     prompt = sum(len(f.prompt_token_ids) for f in finals)
     completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
@@ -417,7 +411,3 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
