@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from tokenmill.config import DEVICES, DTYPES, EngineConfig
+from tokenmill.config import DEVICES, DTYPES, INT4_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
 
 _DEFAULTS = EngineConfig()
@@ -21,6 +21,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                         help="compute dtype; auto = bf16 on CPUs with native bf16 and on CUDA, else fp32 (default: auto)")
     parser.add_argument("--device", choices=DEVICES, default=d.device, help="device (default: auto = cuda if available)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
+                        help="weight-only quantization of the linear layers on load: int8 (per output channel) or "
+                             "int4 (groups of --quantization-group-size); the LM head is int8 in both (default: none)")
+    parser.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=d.quantization_group_size,
+                        help=f"input channels per int4 scale/zero group (default: {d.quantization_group_size})")
     parser.add_argument("--num-threads", type=int, default=d.num_threads,
                         help="CPU threads for torch (default: number of physical cores)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,

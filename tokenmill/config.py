@@ -13,6 +13,8 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATION_METHODS = ("int8", "int4")  # tokenmill.layers.linear implements them
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
 class ConfigError(ValueError):
@@ -30,6 +32,11 @@ class EngineConfig:
     # (AVX-512 BF16 / AMX), fp32 on other CPUs, bf16 on CUDA. fp16 is refused on CPU.
     dtype: str = "auto"
     device: str = "auto"
+    # Weight-only quantization of the linear layers on load: None (the dtype's weights), "int8"
+    # (per output channel) or "int4" (asymmetric, groups of quantization_group_size input
+    # channels). The LM head is int8 in both.
+    quantization: str | None = None
+    quantization_group_size: int = 32
     # torch intra-op threads on CPU; None = the number of physical cores.
     num_threads: int | None = None
     # Longest prompt + output a request may have; None = the model's context length.
@@ -57,6 +64,10 @@ class EngineConfig:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ConfigError("device", f"must be one of {DEVICES}, got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError("quantization", f"must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ConfigError("quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.quantization_group_size!r}")
         _check_min("block_size", self.block_size, 1)
         _check_min("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_min("max_num_seqs", self.max_num_seqs, 1)

@@ -1,17 +1,19 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight, as Llama's reference does."""
+    """RMSNorm as one fused op (`F.rms_norm`, fp32 accumulation). In fp32 it equals Llama's
+    reference exactly; in bf16 it rounds once where the reference rounds twice (before and after
+    the weight), a difference of at most one bf16 ulp — the reference's ~7 separate ops cost
+    ~3x the time at decode sizes."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return F.rms_norm(x, self.shape, self.weight, self.eps)

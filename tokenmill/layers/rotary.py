@@ -30,23 +30,29 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position; `lookup` picks a step's rows once, every layer then
+    rotates its queries and keys with them (`apply`)."""
+
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None, dtype: torch.dtype):
         super().__init__()
         inv_freq = _inv_freq(head_dim, base, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = t[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        # Computed in fp32, cast to the model dtype, as the reference implementation does.
+        # Computed in fp32, cast to the model dtype, as the reference implementation does. The
+        # first half of sin is negated: rotate_half(x) * sin == roll(x, half) * signed_sin.
+        sin = emb.sin()
+        sin[:, : head_dim // 2].neg_()
         self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("signed_sin_cache", sin.to(dtype), persistent=False)
+        self.half = head_dim // 2
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> (cos, signed sin), each [num_tokens, 1, head_dim]."""
+        return self.cos_cache[positions].unsqueeze(1), self.signed_sin_cache[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim] (queries and keys together). Same ops, same rounding,
+        as the reference `x * cos + rotate_half(x) * sin`."""
+        cos, sin = cos_sin
+        return x * cos + x.roll(self.half, -1) * sin

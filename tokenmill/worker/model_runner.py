@@ -18,6 +18,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
+from tokenmill.layers.linear import convert_linears
 from tokenmill.layers.sampler import Sampler, SamplingRow
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import LoadedCheckpoint
@@ -66,6 +67,7 @@ class ModelRunner:
             model = model_cls(arch, TorchAttentionBackend(), max_model_len, self.dtype)
         model.load_weights(checkpoint.weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        convert_linears(self.model, config.quantization, config.quantization_group_size)
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb, arch)
         shape = (self.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
@@ -248,9 +250,12 @@ def build_decode_groups(tables: list[list[int]], seq_lens: list[int], block_size
         end = start + size
         width = len(tables[end - 1])  # the longest of the group
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]], dtype=torch.long)
-        lens = torch.tensor(seq_lens[start:end], dtype=torch.long)
-        mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
-        groups.append(DecodeGroup(num_seqs=size, block_tables=padded.to(device), mask=mask.to(device)))
+        if size == 1:  # attend exactly its keys: no mask
+            groups.append(DecodeGroup(num_seqs=1, block_tables=padded.to(device), kv_len=seq_lens[start], mask=None))
+        else:
+            lens = torch.tensor(seq_lens[start:end], dtype=torch.long)
+            mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(num_seqs=size, block_tables=padded.to(device), kv_len=width * block_size, mask=mask.to(device)))
         start = end
     return groups
 

@@ -27,7 +27,10 @@ class DecodeGroup:
 
     num_seqs: int
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64 (padded with block 0)
-    mask: torch.Tensor  # [num_seqs, 1, 1, max_num_blocks * block_size] bool: True = attend
+    # Keys attended: the first kv_len of the gathered blocks, and of those the True ones of the
+    # mask [num_seqs, 1, 1, kv_len]; a group of one sequence has kv_len = its length, mask None.
+    kv_len: int
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -64,7 +67,7 @@ class TorchAttentionBackend:
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         start = 0
         for group in meta.decode_groups:
             end = start + group.num_seqs
@@ -112,8 +115,8 @@ class TorchAttentionBackend:
         tables = group.block_tables
         max_len = tables.shape[1] * block_size
         flat = tables.view(-1)
-        k = key_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = value_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        k = key_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim)[:, : group.kv_len].transpose(1, 2)
+        v = value_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim)[:, : group.kv_len].transpose(1, 2)
         q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         return o.reshape(num_seqs, num_heads, head_dim)
