@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [n, num_heads, head_dim]
-        return self.o_proj(o.view(n, self.q_size))
+        return self.o_proj(o.reshape(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):

@@ -54,7 +54,7 @@ class AttentionBackend(Protocol):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], not necessarily contiguous
         ...
 
 
@@ -67,11 +67,17 @@ class TorchAttentionBackend:
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        # A step of one part (one decode group, or one prefill chunk: batch-1 decode, a lone
+        # prompt) returns that part's result as is, without an output buffer and a copy.
+        single = len(meta.decode_groups) + len(meta.prefill_query_lens) == 1
+        out = None if single else torch.empty(query.shape, dtype=query.dtype, device=query.device)
         start = 0
         for group in meta.decode_groups:
             end = start + group.num_seqs
-            out[start:end] = self._decode(query[start:end], key_cache, value_cache, group, scale)
+            o = self._decode(query[start:end], key_cache, value_cache, group, scale)
+            if single:
+                return o
+            out[start:end] = o
             start = end
         for q_len, seq_len, block_ids in zip(meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_ids):
             end = start + q_len
@@ -80,7 +86,10 @@ class TorchAttentionBackend:
             else:
                 k = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
                 v = value_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-            out[start:end] = self._prefill(query[start:end], k, v, seq_len - q_len, scale)
+            o = self._prefill(query[start:end], k, v, seq_len - q_len, scale)
+            if single:
+                return o
+            out[start:end] = o
             start = end
         return out
 
