@@ -25,22 +25,19 @@ Both engines run in this one process, with the same dtype and the same torch thr
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import json
 import logging
-import os
-import platform
 import random
 import sys
 import time
 from pathlib import Path
 
-# Silence the GGUF de-quantization progress bar of transformers (tqdm reads this at import time).
-os.environ.setdefault("TQDM_DISABLE", "1")
+from common import (
+    RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, hf_generate_batch, hf_pad_id, load_hf, print_table, run_hf,
+    text_token_ids, write_report,
+)
 
-TEXT_FILE = Path("/usr/share/common-licenses/GPL-3")
-DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "offline_throughput.json"
+DEFAULT_OUTPUT = RESULTS_DIR / "offline_throughput.json"
 
 
 # -- arguments ----------------------------------------------------------------------------------
@@ -109,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_workload(tokenizer, num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int):
     """[(prompt_token_ids, output_len)], prompts sliced from the text at random offsets."""
-    text_ids = tokenizer.encode(TEXT_FILE.read_text(), add_special_tokens=False)
+    text_ids = text_token_ids(tokenizer)
     if input_len[1] > len(text_ids):
         raise SystemExit(f"--input-len max {input_len[1]} exceeds the {len(text_ids)} tokens of {TEXT_FILE}")
     rng = random.Random(seed)
@@ -172,95 +169,6 @@ def run_tokenmill(llm, requests) -> tuple[dict, list[list[int]]]:
 # -- Hugging Face -------------------------------------------------------------------------------
 
 
-def load_hf(model_path: Path, dtype: str):
-    import torch
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    kwargs = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
-    directory = model_path.parent if model_path.suffix == ".gguf" else model_path
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype), **kwargs)
-    return model.eval()
-
-
-def hf_pad_id(model, tokenizer) -> int:
-    for cand in (tokenizer.pad_token_id, model.generation_config.pad_token_id, tokenizer.eos_token_id):
-        if isinstance(cand, int):
-            return cand
-    return 0
-
-
-def hf_generate_batch(model, prompts: list[list[int]], num_new: int, pad_id: int):
-    """Left-padded static batch, greedy, exactly `num_new` new tokens per row; returns new tokens."""
-    import torch
-
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, width - len(p) :] = 1
-    with torch.inference_mode():
-        seqs = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            do_sample=False,
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,  # suppresses EOS, so every row runs to num_new
-            pad_token_id=pad_id,
-            use_cache=True,
-        )
-    return seqs[:, width:].tolist()
-
-
-def run_hf(model, tokenizer, requests, batch_size: int, sort_by_length: bool) -> tuple[dict, list[list[int]]]:
-    pad_id = hf_pad_id(model, tokenizer)
-    order = list(range(len(requests)))
-    if sort_by_length:
-        order.sort(key=lambda i: len(requests[i][0]))
-    out_ids: list[list[int] | None] = [None] * len(requests)
-    generated = 0
-    padded_prompt_tokens = 0
-
-    other = OtherLoad()
-    t0 = time.perf_counter()
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        prompts = [requests[i][0] for i in idx]
-        num_new = max(requests[i][1] for i in idx)
-        new = hf_generate_batch(model, prompts, num_new, pad_id)
-        generated += len(idx) * num_new
-        padded_prompt_tokens += len(idx) * max(len(p) for p in prompts)
-        for i, row in zip(idx, new):
-            out_ids[i] = row[: requests[i][1]]
-    seconds = time.perf_counter() - t0
-    other_cores = other.cores()
-
-    for (_, n), ids in zip(requests, out_ids):
-        if len(ids) != n:
-            raise RuntimeError(f"HF produced {len(ids)} useful tokens for a request of {n}")
-    prompt_tokens = sum(len(p) for p, _ in requests)
-    output_tokens = sum(n for _, n in requests)
-    result = {
-        "engine": "hf-transformers",
-        "requests": len(requests),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "generated_tokens": generated,
-        "padded_prompt_tokens": padded_prompt_tokens,
-        "seconds": seconds,
-        "output_tok_per_s": output_tokens / seconds,
-        "total_tok_per_s": (prompt_tokens + output_tokens) / seconds,
-        "raw_generated_tok_per_s": generated / seconds,
-        "batch_size": batch_size,
-        "batch_order": "sorted by prompt length" if sort_by_length else "request order",
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "other_processes_cores": other_cores,
-    }
-    return result, out_ids
-
-
 def greedy_agreement(a: list[list[int]], b: list[list[int]], eos_ids: set[int]) -> dict:
     """Share of output positions on which the two engines agree, counted up to the first
     disagreement of each request (after one, the continuations differ and are not comparable),
@@ -286,85 +194,10 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]], eos_ids: set[int]) 
     }
 
 
-# -- other load on the machine ------------------------------------------------------------------
-
-
-class OtherLoad:
-    """CPU time used by every other process while a section runs, in cores on average: numbers
-    taken while another process is busy on the same cores are not worth reporting (with one torch
-    thread per core, a thread that loses its core stalls every step)."""
-
-    def __init__(self):
-        self.start_times = _other_cpu_times()
-        self.t0 = time.perf_counter()
-
-    def cores(self) -> float:
-        end = _other_cpu_times()
-        seconds = time.perf_counter() - self.t0
-        used = sum(t - self.start_times.get(pid, 0.0) for pid, t in end.items())
-        return max(0.0, used / seconds) if seconds > 0 else 0.0
-
-
-def _other_cpu_times() -> dict[tuple[int, float], float]:
-    import psutil
-
-    me = os.getpid()
-    times = {}
-    for proc in psutil.process_iter(["pid", "create_time", "cpu_times"]):
-        info = proc.info
-        if info["pid"] == me or info["cpu_times"] is None:
-            continue
-        t = info["cpu_times"]
-        times[(info["pid"], info["create_time"])] = t.user + t.system + t.children_user + t.children_system
-    return times
-
-
 # -- report -------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict:
-    import torch
-
-    cpu_model = platform.processor() or None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from tokenmill.config import cpu_has_native_bf16, num_physical_cores
-
-    info = {
-        "cpu_model": cpu_model,
-        "logical_cpus": os.cpu_count(),
-        "physical_cores": num_physical_cores(),
-        "cpu_native_bf16": cpu_has_native_bf16(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-    }
-    try:
-        import transformers
-
-        info["transformers_version"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        import tokenmill
-
-        info["tokenmill_version"] = tokenmill.__version__
-    except (ImportError, AttributeError):
-        pass
-    try:
-        info["load_average"] = os.getloadavg()
-    except OSError:
-        pass
-    return info
-
-
-def print_table(results: list[dict]) -> None:
+def print_results(results: list[dict]) -> None:
     header = ["engine", "requests", "prompt tok", "output tok", "seconds", "output tok/s", "total tok/s"]
     rows = [
         [
@@ -378,12 +211,7 @@ def print_table(results: list[dict]) -> None:
         ]
         for r in results
     ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    print(fmt(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(fmt(row))
+    print_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         agreement = greedy_agreement(tm_ids, hf_ids, eos_ids)
 
     print()
-    print_table(results)
+    print_results(results)
     print()
     tm = tm_result
     print(
@@ -468,19 +296,14 @@ def main(argv: list[str] | None = None) -> int:
             f"divergence; {agreement['identical_requests']}/{len(requests)} requests identical"
         )
         print(f"ratio tokenmill / HF, output tok/s: {ratio:.2f}x")
-    busy = {r["engine"]: r["other_processes_cores"] for r in results if r["other_processes_cores"] > 0.1}
-    if busy:
-        print(
-            "WARNING: other processes were busy during the timed runs ("
-            + ", ".join(f"{e}: {c:.2f} cores on average" for e, c in busy.items())
-            + "); these numbers are not representative, rerun on an idle machine"
-        )
+    warning = busy_warning({r["engine"]: r["other_processes_cores"] for r in results})
+    if warning:
+        print(warning)
 
-    report = {
-        "benchmark": "offline_throughput",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "config": {
+    write_report(
+        args.output,
+        "offline_throughput",
+        config={
             "model": args.model,
             "model_file": str(model_path),
             "num_requests": args.num_requests,
@@ -497,18 +320,14 @@ def main(argv: list[str] | None = None) -> int:
             "greedy": True,
             "ignore_eos": True,
         },
-        "machine": machine_info(),
-        "results": results,
-        "ratio_output_tok_per_s_tokenmill_over_hf": ratio,
-        "greedy_agreement": agreement,
-        "workload": {
+        results=results,
+        ratio_output_tok_per_s_tokenmill_over_hf=ratio,
+        greedy_agreement=agreement,
+        workload={
             "prompt_lens": [len(p) for p, _ in requests],
             "output_lens": [n for _, n in requests],
         },
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    )
     return 0
 
 

@@ -1,0 +1,310 @@
+"""Helpers shared by the benchmark scripts in this directory (run them as `python benchmarks/NAME.py`,
+which puts this directory on the import path).
+
+- The text prompts are cut from (`TEXT_FILE`), `cut_prompts`.
+- tokenmill configs by name (`bf16`, `int8`, `int4`) -> `LLM` keyword arguments.
+- The Hugging Face transformers reference: the same GGUF file loaded with `from_pretrained`,
+  static left-padded batches through `generate`.
+- llama.cpp's `llama-bench`, run and parsed.
+- Machine info, the CPU time other processes use while a section runs, a plain-text table, and
+  the JSON report every script writes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Silence the GGUF de-quantization progress bar of transformers (tqdm reads this at import time).
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+TEXT_FILE = Path("/usr/share/common-licenses/GPL-3")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# -- prompts ------------------------------------------------------------------------------------
+
+
+def text_token_ids(tokenizer) -> list[int]:
+    """The text file as token ids (no special tokens)."""
+    return tokenizer.encode(TEXT_FILE.read_text(), add_special_tokens=False)
+
+
+def cut_prompts(text_ids: list[int], count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids at distinct offsets of the text: back to back while the
+    text suffices, then spread evenly (wrapping around the end). Distinct starts mean distinct first
+    blocks, so no prompt hits the prefix cache filled by another."""
+    n = len(text_ids)
+    if n < 2:
+        raise ValueError("the text has fewer than 2 tokens")
+    stride = length if count * length <= n else max(1, n // count)
+    cyclic = text_ids * (-(-(n + length) // n))  # long enough to read `length` tokens from any offset
+    return [list(cyclic[(i * stride) % n : (i * stride) % n + length]) for i in range(count)]
+
+
+# -- tokenmill configs ----------------------------------------------------------------------------
+
+CONFIG_NAMES = ("bf16", "int8", "int4")
+
+
+def parse_configs(text: str) -> list[str]:
+    """'bf16,int8,int4' -> the names, checked."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIG_NAMES]
+    if not names or bad:
+        raise ValueError(f"configs: expected a comma-separated subset of {','.join(CONFIG_NAMES)}, got {text!r}")
+    return names
+
+
+def config_kwargs(name: str, dtype: str) -> dict:
+    """`LLM` keyword arguments of a named config: bf16 -> dtype `dtype` (bfloat16 unless overridden),
+    int8 / int4 -> weight-only quantization of the linears (compute dtype: the engine's default)."""
+    if name == "bf16":
+        return {"dtype": dtype}
+    return {"quantization": name}
+
+
+def config_label(name: str, dtype: str) -> str:
+    """The config's name in tables: the bf16 line under another --dtype is named after it."""
+    return {"float32": "fp32"}.get(dtype, name) if name == "bf16" else name
+
+
+# -- Hugging Face transformers --------------------------------------------------------------------
+
+
+def load_hf(model_path: Path, dtype: str):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    kwargs = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
+    directory = model_path.parent if model_path.suffix == ".gguf" else model_path
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype), **kwargs)
+    return model.eval()
+
+
+def hf_pad_id(model, tokenizer) -> int:
+    for cand in (tokenizer.pad_token_id, model.generation_config.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(cand, int):
+            return cand
+    return 0
+
+
+def hf_generate_batch(model, prompts: list[list[int]], num_new: int, pad_id: int, **generate_kwargs):
+    """Left-padded static batch, greedy, exactly `num_new` new tokens per row; returns new tokens."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, width - len(p) :] = 1
+    with torch.inference_mode():
+        seqs = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,  # suppresses EOS, so every row runs to num_new
+            pad_token_id=pad_id,
+            use_cache=True,
+            **generate_kwargs,
+        )
+    return seqs[:, width:].tolist()
+
+
+def run_hf(model, tokenizer, requests, batch_size: int, sort_by_length: bool) -> tuple[dict, list[list[int]]]:
+    """`requests` = [(prompt_token_ids, output_len)] in static batches of `batch_size` (in request
+    order unless `sort_by_length`), each generated to its longest requested output."""
+    pad_id = hf_pad_id(model, tokenizer)
+    order = list(range(len(requests)))
+    if sort_by_length:
+        order.sort(key=lambda i: len(requests[i][0]))
+    out_ids: list[list[int] | None] = [None] * len(requests)
+    generated = 0
+    padded_prompt_tokens = 0
+
+    other = OtherLoad()
+    t0 = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        prompts = [requests[i][0] for i in idx]
+        num_new = max(requests[i][1] for i in idx)
+        new = hf_generate_batch(model, prompts, num_new, pad_id)
+        generated += len(idx) * num_new
+        padded_prompt_tokens += len(idx) * max(len(p) for p in prompts)
+        for i, row in zip(idx, new):
+            out_ids[i] = row[: requests[i][1]]
+    seconds = time.perf_counter() - t0
+    other_cores = other.cores()
+
+    for (_, n), ids in zip(requests, out_ids):
+        if len(ids) != n:
+            raise RuntimeError(f"HF produced {len(ids)} useful tokens for a request of {n}")
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    output_tokens = sum(n for _, n in requests)
+    result = {
+        "engine": "hf-transformers",
+        "requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "generated_tokens": generated,
+        "padded_prompt_tokens": padded_prompt_tokens,
+        "seconds": seconds,
+        "output_tok_per_s": output_tokens / seconds,
+        "total_tok_per_s": (prompt_tokens + output_tokens) / seconds,
+        "raw_generated_tok_per_s": generated / seconds,
+        "batch_size": batch_size,
+        "batch_order": "sorted by prompt length" if sort_by_length else "request order",
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "other_processes_cores": other_cores,
+    }
+    return result, out_ids
+
+
+# -- llama.cpp ----------------------------------------------------------------------------------
+
+
+def run_llama_bench(path: str, gguf: Path, threads: int, n_prompt: int, n_gen: int, repeats: int) -> dict:
+    """`llama-bench -m GGUF -t THREADS -p N_PROMPT -n N_GEN -r REPEATS -o json`; its one test's
+    record (avg_ts = tokens/s averaged over the repetitions, model_size in bytes, build, ...)."""
+    cmd = [path, "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(repeats),
+           "-o", "json"]
+    other = OtherLoad()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    other_cores = other.cores()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-2000:]}")
+    records = json.loads(proc.stdout)
+    if len(records) != 1:
+        raise RuntimeError(f"expected one llama-bench test, got {len(records)}")
+    return {**records[0], "command": cmd, "other_processes_cores": other_cores}
+
+
+# -- other load on the machine ------------------------------------------------------------------
+
+
+class OtherLoad:
+    """CPU time used by every other process while a section runs, in cores on average: numbers
+    taken while another process is busy on the same cores are not worth reporting (with one torch
+    thread per core, a thread that loses its core stalls every step)."""
+
+    def __init__(self):
+        self.start_times = _other_cpu_times()
+        self.t0 = time.perf_counter()
+
+    def cores(self) -> float:
+        end = _other_cpu_times()
+        seconds = time.perf_counter() - self.t0
+        used = sum(t - self.start_times.get(pid, 0.0) for pid, t in end.items())
+        return max(0.0, used / seconds) if seconds > 0 else 0.0
+
+
+def _other_cpu_times() -> dict[tuple[int, float], float]:
+    import psutil
+
+    me = os.getpid()
+    times = {}
+    for proc in psutil.process_iter(["pid", "create_time", "cpu_times"]):
+        info = proc.info
+        if info["pid"] == me or info["cpu_times"] is None:
+            continue
+        t = info["cpu_times"]
+        times[(info["pid"], info["create_time"])] = t.user + t.system + t.children_user + t.children_system
+    return times
+
+
+def busy_warning(cores_by_section: dict[str, float], threshold: float = 0.1) -> str | None:
+    """A warning naming the sections during which other processes used more than `threshold` cores."""
+    busy = {name: c for name, c in cores_by_section.items() if c is not None and c > threshold}
+    if not busy:
+        return None
+    return (
+        "WARNING: other processes were busy during the timed runs ("
+        + ", ".join(f"{name}: {c:.2f} cores on average" for name, c in busy.items())
+        + "); these numbers are not representative, rerun on an idle machine"
+    )
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu_model = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from tokenmill.config import cpu_has_native_bf16, num_physical_cores
+
+    info = {
+        "cpu_model": cpu_model,
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": num_physical_cores(),
+        "cpu_native_bf16": cpu_has_native_bf16(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        import transformers
+
+        info["transformers_version"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import tokenmill
+
+        info["tokenmill_version"] = tokenmill.__version__
+    except (ImportError, AttributeError):
+        pass
+    try:
+        info["load_average"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def print_table(header: list[str], rows: list[list[str]], left: int = 1) -> None:
+    """Columns padded to width; the first `left` columns left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    print(fmt(header))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print(fmt(row))
+
+
+def fmt(value: float | None, spec: str = ".1f") -> str:
+    """A number for a table cell; '-' for None."""
+    return "-" if value is None else format(value, spec)
+
+
+def write_report(path: Path, benchmark: str, config: dict, results, **extra) -> None:
+    """The JSON every script writes: name, date, command line, config, machine info, results."""
+    report = {
+        "benchmark": benchmark,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "config": config,
+        "machine": machine_info(),
+        "results": results,
+        **extra,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
