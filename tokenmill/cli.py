@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from tokenmill.config import DEVICES, DTYPES, INT4_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig
+from tokenmill.config import DEVICES, DTYPES, INT4_GROUP_SIZES, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
 
 _DEFAULTS = EngineConfig()
@@ -49,6 +49,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                         help="schedule each prompt whole instead of in chunks")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the shared sampler generator (default: {d.seed})")
+    parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=d.speculative_method,
+                        help="speculative decoding: ngram = prompt lookup, drafts copied from earlier in the request's "
+                             "own tokens; the output distribution is unchanged (default: off)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                        help=f"most draft tokens a request verifies per step (default: {d.num_speculative_tokens})")
+    parser.add_argument("--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+                        help=f"ngram: shortest suffix to look up (default: {d.speculative_ngram_min})")
+    parser.add_argument("--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+                        help=f"ngram: longest suffix to look up; the longest match wins (default: {d.speculative_ngram_max})")
+    parser.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                        help="always verify up to --num-speculative-tokens drafts instead of adapting each request's "
+                             "draft length to its recent acceptance")
+    parser.add_argument("--speculative-max-running", type=int, default=d.speculative_max_running,
+                        help="no speculation in a step while more requests than this are running or waiting "
+                             f"(default: {d.speculative_max_running})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

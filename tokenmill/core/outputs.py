@@ -53,13 +53,21 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # (source, destination) device block copies (copy on write), one after another, in order.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: per request, the draft tokens it verifies this step (they follow
+    # its known tokens and are counted in num_scheduled_tokens); and whether the runner should
+    # propose drafts for the next step.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = False
 
 
 @dataclass
 class ModelRunnerOutput:
-    """Per sampled request: the new token ids (one without speculation) and optional logprobs."""
+    """Per sampled request: the new token ids (one without speculation; with it, the accepted
+    drafts and one more) and optional logprobs."""
 
     sampled_token_ids: dict[str, list[int]]
+    # Draft tokens proposed for each request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[float]] = field(default_factory=dict)
     # Per request, per new token: the top-N (token_id, logprob) pairs.
     top_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
@@ -78,6 +86,9 @@ class EngineCoreOutput:
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     new_prompt_logprobs: list[float] | None = None
+    # Speculative decoding: drafts verified this step, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

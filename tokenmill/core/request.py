@@ -65,6 +65,12 @@ class Request:
         # n > 1: the first sample of the same prompt; this one forks from its prompt blocks.
         self.fork_parent: Request | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Speculative decoding: drafts for the next step (proposed after the last one), how
+        # many this request may verify at once (adaptive), and its counts.
+        self.spec_token_ids: list[int] = []
+        self.spec_k = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,11 @@ longest cached prefix of its tokens (prefix caching) and computes only the rest.
 out, the newest running request is preempted: its blocks are copied to the host pool when it
 has room (swap; the request resumes where it was), else freed and recomputed later from its
 prompt + output so far (most of it usually comes back from the prefix cache).
+
+Speculative decoding: a decoding request that has draft tokens (proposed by the runner after
+its last step) is scheduled for 1 + k tokens, its last token and k drafts, with KV slots for all
+of them; `update` keeps the accepted drafts and the target's token, and counts only the accepted
+positions as computed, so rejected drafts' slots are simply overwritten by the next step.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ class SchedulerConfig:
     max_num_seqs: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # Speculative decoding: the most drafts a request verifies per step (0 = off); adaptive
+    # draft lengths; no drafts while more than spec_max_running requests run.
+    num_speculative_tokens: int = 0
+    spec_adaptive: bool = True
+    spec_max_running: int = 8
 
 
 class Scheduler:
@@ -54,6 +64,12 @@ class Scheduler:
         self._preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of which the request was swapped out, not recomputed
+        # Speculative decoding counters (cumulative): verifications (a request verifying >= 1
+        # draft in a step), draft tokens, accepted drafts, and accepted drafts by position.
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
+        self.spec_accepted_per_position = [0] * config.num_speculative_tokens
 
     # -- admission -------------------------------------------------------------------------
 
@@ -92,13 +108,19 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted_now = False
+        spec_tokens: dict[str, list[int]] = {}
+        speculate = self._speculation_on()
 
         # 1. Running requests, oldest first.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_block_ids = self.kv.allocate_slots(req, num_new)
+            drafts = self._drafts_to_verify(req, num_new, budget) if speculate else []
+            new_block_ids = self.kv.allocate_slots(req, num_new + len(drafts))
+            if new_block_ids is None and drafts:  # no room for the drafts: decode without them
+                drafts = []
+                new_block_ids = self.kv.allocate_slots(req, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()  # the newest; never one scheduled earlier this step
                 self._preempt(victim, swap_out)
@@ -108,6 +130,9 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
             if new_block_ids is None:
                 break
+            if drafts:
+                spec_tokens[req.request_id] = drafts
+                num_new += len(drafts)
             num_scheduled[req.request_id] = num_new
             cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
             budget -= num_new
@@ -179,10 +204,48 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             blocks_to_copy=self.kv.take_copies(),
+            scheduled_spec_tokens=spec_tokens,
+            propose_drafts=speculate,
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
         return out
+
+    # -- speculative decoding --------------------------------------------------------------------
+
+    def _speculation_on(self) -> bool:
+        c = self.config
+        return c.num_speculative_tokens > 0 and len(self.running) + len(self.waiting) <= c.spec_max_running
+
+    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step: its proposed ones, cut to its
+        adaptive length, the step's budget, and what max_tokens and max_model_len leave (all
+        k + 1 emitted tokens must fit, so speculation never overshoots)."""
+        if not req.spec_token_ids or num_new != 1 or req.num_computed_tokens < req.num_prompt_tokens:
+            return []
+        if req.spec_k == 0:
+            req.spec_k = self.config.num_speculative_tokens
+        k = min(
+            len(req.spec_token_ids),
+            req.spec_k,
+            budget - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        return req.spec_token_ids[:k] if k > 0 else []
+
+    def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_drafts
+        self.num_spec_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.spec_accepted_per_position[i] += 1
+        if self.config.spec_adaptive:
+            # All accepted: try one more next time; else aim just past what was accepted.
+            limit = self.config.num_speculative_tokens
+            req.spec_k = min(limit, num_drafts + 1) if num_accepted == num_drafts else max(1, num_accepted + 1)
 
     @staticmethod
     def _fork_parent(req: Request) -> Request | None:
@@ -197,6 +260,7 @@ class Scheduler:
         """Swap the request's blocks out to the host pool if it has room (it resumes where it
         stopped), else recompute preemption: free its blocks and later recompute prompt +
         output so far, so its output is unchanged. Either way it waits at the front of the queue."""
+        req.spec_token_ids = []
         copies = self.kv.swap_out(req)
         if copies is not None:
             swap_out.extend(copies)
@@ -218,8 +282,18 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted while its step ran
-            req.num_computed_tokens += num_tokens
             new_token_ids = result.sampled_token_ids.get(req_id, [])
+            drafts = sched.scheduled_spec_tokens.get(req_id)
+            num_accepted = 0
+            if drafts:
+                # Accepted drafts come first in new_token_ids, then the target's own token; the
+                # KV written for rejected drafts is garbage and gets overwritten.
+                num_accepted = len(new_token_ids) - 1
+                assert new_token_ids[:num_accepted] == drafts[:num_accepted]
+                num_tokens -= len(drafts) - num_accepted
+                self._record_verification(req, len(drafts), num_accepted)
+            req.num_computed_tokens += num_tokens
+            req.spec_token_ids = result.spec_token_ids.get(req_id, [])
             prompt_logprobs = result.prompt_logprobs.get(req_id)
             if not new_token_ids:  # a prefill chunk that did not reach the end of the prompt
                 if prompt_logprobs:
@@ -233,7 +307,8 @@ class Scheduler:
                 status = req.check_stop(self.config.max_model_len)
                 if status is not None:
                     break
-            out = EngineCoreOutput(req_id, accepted, new_prompt_logprobs=prompt_logprobs)
+            out = EngineCoreOutput(req_id, accepted, new_prompt_logprobs=prompt_logprobs,
+                                   num_draft_tokens=len(drafts or ()), num_accepted_tokens=num_accepted)
             if req_id in result.logprobs:
                 out.new_logprobs = result.logprobs[req_id][: len(accepted)]
             if req_id in result.top_logprobs:

@@ -50,6 +50,12 @@ class EngineStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     bytes_per_block: int = 0
+    # Speculative decoding: verifications (one request verifying drafts in one step), draft
+    # tokens, accepted drafts, and accepted drafts by position (0 = the first draft).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 class _Failed:
@@ -231,6 +237,11 @@ class AsyncLLM:
         s.num_swapped_out_blocks = kv.num_swapped_out_blocks
         s.num_swapped_in_blocks = kv.num_swapped_in_blocks
         s.bytes_per_block = core.runner.bytes_per_block
+        sched = core.scheduler
+        s.spec_drafts = sched.num_spec_drafts
+        s.spec_draft_tokens = sched.num_spec_draft_tokens
+        s.spec_accepted_tokens = sched.num_spec_accepted_tokens
+        s.spec_accepted_per_position = tuple(sched.spec_accepted_per_position)
 
     def _count_step(self, engine: LLMEngine) -> None:
         s = self.stats
@@ -250,6 +261,15 @@ class AsyncLLM:
             (s.num_generation_tokens - last.num_generation_tokens) / elapsed,
             100 * hits / queries if queries else 0.0, s.num_preemptions, s.num_swapped_out_blocks,
         )
+        drafts = s.spec_drafts - last.spec_drafts
+        if drafts:
+            draft_tokens = s.spec_draft_tokens - last.spec_draft_tokens
+            accepted = s.spec_accepted_tokens - last.spec_accepted_tokens
+            logger.info(
+                "speculative decoding: %d verifications, mean accepted length %.2f (of %.2f drafts), "
+                "acceptance rate %.1f%%",
+                drafts, 1 + accepted / drafts, draft_tokens / drafts, 100 * accepted / draft_tokens,
+            )
 
     # -- on the event loop ----------------------------------------------------------------------
 

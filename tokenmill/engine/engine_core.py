@@ -46,6 +46,9 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
+                spec_adaptive=config.speculative_adaptive,
+                spec_max_running=config.speculative_max_running,
             ),
             self.kv_cache_manager,
         )
@@ -57,6 +60,13 @@ class EngineCore:
             self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
             self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,
         )
+        if config.speculative_method:
+            logger.info(
+                "speculative decoding: %s, up to %d drafts per request and step (n-gram %d..%d), adaptive %s, "
+                "off while more than %d requests are running",
+                config.speculative_method, config.num_speculative_tokens, config.speculative_ngram_min,
+                config.speculative_ngram_max, "on" if config.speculative_adaptive else "off", config.speculative_max_running,
+            )
 
     def add_request(self, request: Request) -> None:
         if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
@@ -78,9 +88,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         requests = self.scheduler.requests
+        spec = scheduled.scheduled_spec_tokens
         decodes = sum(
-            1 for data in scheduled.scheduled_cached_reqs
-            if scheduled.num_scheduled_tokens[data.req_id] == 1
+            1 + len(spec.get(data.req_id, ())) for data in scheduled.scheduled_cached_reqs
+            if scheduled.num_scheduled_tokens[data.req_id] == 1 + len(spec.get(data.req_id, ()))
             and data.num_computed_tokens >= requests[data.req_id].num_prompt_tokens
         )
         result = self.runner.execute_model(scheduled)

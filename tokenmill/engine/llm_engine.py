@@ -252,6 +252,8 @@ class LLMEngine:
         c = sample.completion
         c.token_ids.extend(out.new_token_ids)
         c.delta_token_ids.extend(out.new_token_ids)
+        c.num_draft_tokens += out.num_draft_tokens
+        c.num_accepted_tokens += out.num_accepted_tokens
         if c.logprobs is not None and out.new_logprobs is not None:
             for token_id, logprob, top in zip(out.new_token_ids, out.new_logprobs, out.new_top_logprobs or []):
                 c.logprobs.append(TokenLogprob(token_id, logprob, top))

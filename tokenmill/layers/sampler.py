@@ -64,53 +64,92 @@ class Sampler:
         self._row_generators: dict[torch.device, torch.Generator] = {}  # re-seeded per row
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(
-                f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}"
-            )
-        all_greedy = True
-        need_bias = need_min_tokens = need_repetition = need_frequency = need_logprobs = False
-        for row in rows:
-            p = row.params
-            if not p.greedy:
-                all_greedy = False
-            if p.logit_bias:
-                need_bias = True
-            if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
-                need_min_tokens = True
-            if p.repetition_penalty != 1.0:
-                need_repetition = True
-            if p.frequency_penalty or p.presence_penalty:
-                need_frequency = True
-            if p.logprobs is not None:
-                need_logprobs = True
-
-        if all_greedy and not (
-            need_bias or need_min_tokens or need_repetition or need_frequency or need_logprobs
-        ):
+        _check_rows(logits, rows)
+        need = _Needs.of(rows)
+        if need.all_greedy and not (need.processing or need.logprobs):
             # bf16/fp16 -> fp32 is exact and monotonic, so no conversion is needed.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         raw = logits.float()  # [num_rows, vocab_size]; the caller's tensor when already fp32
-        x = raw.clone() if (need_bias or need_min_tokens) else raw  # edited in place below
-        if need_bias:
-            _add_logit_bias(x, rows)
-        if need_min_tokens:
-            _mask_stop_tokens(x, rows)
-        if need_repetition:
-            x = _apply_repetition_penalty(x, rows)
-        if need_frequency:
-            x = _apply_frequency_presence_penalties(x, rows)
-
-        if all_greedy:
+        x = _process(raw, rows, need)
+        if need.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:
             token_ids = self._sample_mixed(x, rows)
 
-        if not need_logprobs:
+        if not need.logprobs:
             return SamplerOutput(token_ids.tolist(), None, None)
         logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+
+    def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[num_rows, vocab_size] fp32: the distribution each row's token is drawn from, after
+        every stage above, normalized. A greedy row is one-hot at its argmax (the token the
+        sampler would pick), so exact tests on it give greedy decoding."""
+        _check_rows(logits, rows)
+        need = _Needs.of(rows)
+        x = _process(logits.float(), rows, need)
+        probs = torch.zeros_like(x)
+        random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
+        greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
+        if greedy_idx:
+            idx = torch.tensor(greedy_idx, device=x.device)
+            probs[idx, x[idx].argmax(dim=-1)] = 1.0
+        if random_idx:
+            idx = torch.tensor(random_idx, device=x.device)
+            p = self._random_probs(x[idx], [rows[i] for i in random_idx])
+            probs[idx] = p / p.sum(dim=-1, keepdim=True)
+        return probs
+
+    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]],
+               draft_probs: torch.Tensor | None = None) -> SpecSamplerOutput:
+        """Speculative decoding: accept or reject each request's draft tokens, keeping the
+        distribution of every emitted token exactly what `__call__` would sample.
+
+        Request r contributes k_r = len(draft_token_ids[r]) + 1 consecutive rows of `logits`
+        and `rows`: row i scores the token after draft i (row 0: after the request's last real
+        token), and its SamplingRow's output_token_ids already include drafts 0..i-1.
+        `draft_probs` [total drafts, vocab_size] is the draft model's distribution q for each
+        draft token; None means one-hot q (drafts proposed without probabilities, e.g. n-gram).
+        Returns per request the accepted drafts plus one token drawn by the target (a correction
+        from the residual distribution, or a bonus token after a fully accepted draft)."""
+        _check_rows(logits, rows)
+        target = self.probs(logits, rows)
+        num_drafts = [len(d) for d in draft_token_ids]
+        if sum(num_drafts) + len(num_drafts) != len(rows):
+            raise ValueError(f"{len(rows)} rows for {len(num_drafts)} requests with {sum(num_drafts)} drafts")
+        # Randomness per request: one uniform per draft, one Exp(1) row for its final token.
+        # A request with a seed draws them from (seed, output position) like __call__ does.
+        device = logits.device
+        vocab_size = logits.shape[1]
+        uniforms = torch.empty(sum(num_drafts), device=device)
+        noise = torch.empty(len(num_drafts), vocab_size, device=device)
+        shared = self._generator(self._shared_generators, device)
+        uniforms.uniform_(generator=shared)
+        noise.uniform_(generator=shared)
+        start = draft_start = 0
+        for r, k in enumerate(num_drafts):
+            params, row = rows[start].params, rows[start]
+            if params.seed is not None:
+                gen = self._generator(self._row_generators, device)
+                gen.manual_seed(_row_seed(params.seed, len(row.output_token_ids)) ^ _SPEC_STREAM)
+                uniforms[draft_start : draft_start + k].uniform_(generator=gen)
+                noise[r].uniform_(generator=gen)
+            start += k + 1
+            draft_start += k
+        token_ids, first_rows = rejection_sample(target, draft_token_ids, draft_probs, uniforms, noise.log_().neg_())
+        out = SpecSamplerOutput(token_ids, None, None)
+        if any(row.params.logprobs is not None for row in rows):
+            emitted_rows = [first + i for first, tokens in zip(first_rows, token_ids) for i in range(len(tokens))]
+            flat = torch.tensor([t for tokens in token_ids for t in tokens], device=device)
+            lps, tops = _gather_logprobs(logits[emitted_rows].float(), flat, [rows[i] for i in emitted_rows])
+            out.logprobs, out.top_logprobs = [], []
+            i = 0
+            for tokens in token_ids:
+                out.logprobs.append(lps[i : i + len(tokens)])
+                out.top_logprobs.append(tops[i : i + len(tokens)])
+                i += len(tokens)
+        return out
 
     def _sample_mixed(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [num_rows, vocab_size] processed logits, at least one row non-greedy."""
@@ -124,6 +163,14 @@ class Sampler:
 
     def _sample_random(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [n, vocab_size] processed logits of non-greedy rows -> [n] sampled token ids."""
+        probs = self._random_probs(x, rows)
+        # probs need not be renormalised: argmax(probs / E) samples proportionally to probs.
+        noise = self._exponential_noise(probs, [row.params for row in rows], rows)
+        return (probs / noise).argmax(dim=-1)
+
+    def _random_probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """x: [n, vocab_size] processed logits of non-greedy rows -> [n, vocab_size] probabilities
+        after temperature, top-k, top-p and min-p (not renormalised after min-p)."""
         vocab_size = x.shape[1]
         device = x.device
         params = [row.params for row in rows]
@@ -143,10 +190,7 @@ class Sampler:
             min_p = torch.tensor(min_ps, device=device).unsqueeze(1)
             p_max = probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < min_p * p_max, 0.0)  # p_max itself always stays
-
-        # probs need not be renormalised: argmax(probs / E) samples proportionally to probs.
-        noise = self._exponential_noise(probs, params, rows)
-        return (probs / noise).argmax(dim=-1)
+        return probs
 
     def _exponential_noise(
         self, probs: torch.Tensor, params: list[SamplingParams], rows: list[SamplingRow]
@@ -189,6 +233,128 @@ def _splitmix64(z: int) -> int:
 def _row_seed(seed: int, step: int) -> int:
     """A generator seed from (request seed, output position) only: same pair, same draw."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+
+
+# Mixed into a seeded row's generator seed for speculative verification, so its draws are not
+# the same numbers __call__ would draw at that position.
+_SPEC_STREAM = 0x5BEC_DEC0DE
+
+
+@dataclass
+class SpecSamplerOutput:
+    token_ids: list[list[int]]  # per request: accepted drafts + one target token
+    logprobs: list[list[float]] | None  # per request, per emitted token (when some row asked)
+    top_logprobs: list[list[list[tuple[int, float]]]] | None
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[list[int]], draft_probs: torch.Tensor | None,
+                     uniforms: torch.Tensor, noise: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a batch of requests.
+
+    target_probs: [sum(k_r + 1), vocab_size], each request's k_r + 1 rows in order (p);
+    draft_probs: [sum(k_r), vocab_size] the draft's distributions q, or None for one-hot q at
+    each draft token; uniforms: [sum(k_r)] U[0, 1); noise: [num_requests, vocab_size] Exp(1).
+    Draft token x at row i is accepted with probability min(1, p_i(x) / q_i(x)); the first
+    rejection at row i draws from normalize(max(0, p_i - q_i)), a fully accepted draft draws a
+    bonus token from p_k. Returns per request the emitted tokens, and the index of its first row."""
+    device = target_probs.device
+    num_drafts = [len(d) for d in draft_token_ids]
+    first_rows: list[int] = []
+    draft_rows: list[int] = []
+    start = 0
+    for k in num_drafts:
+        first_rows.append(start)
+        draft_rows.extend(range(start, start + k))
+        start += k + 1
+    flat_drafts = [t for d in draft_token_ids for t in d]
+    accepted: list[bool] = []
+    if flat_drafts:
+        drafts_t = torch.tensor(flat_drafts, device=device)
+        p = target_probs[torch.tensor(draft_rows, device=device), drafts_t]
+        q = (draft_probs.gather(1, drafts_t[:, None])[:, 0] if draft_probs is not None
+             else torch.ones_like(p))
+        accepted = (uniforms * q < p).tolist()  # u < p / q, without dividing by a tiny q
+    num_accepted: list[int] = []
+    draft_starts: list[int] = []  # each request's first draft in the flat list
+    d = 0
+    for k in num_drafts:
+        a = 0
+        while a < k and accepted[d + a]:
+            a += 1
+        num_accepted.append(a)
+        draft_starts.append(d)
+        d += k
+    final = target_probs[torch.tensor([f + a for f, a in zip(first_rows, num_accepted)], device=device)]
+    rejected = [r for r, (a, k) in enumerate(zip(num_accepted, num_drafts)) if a < k]
+    if rejected:
+        rej = torch.tensor(rejected, device=device)
+        draft_index = [draft_starts[r] + num_accepted[r] for r in rejected]
+        if draft_probs is not None:
+            residual = (final[rej] - draft_probs[torch.tensor(draft_index, device=device)]).clamp_(min=0)
+        else:
+            residual = final[rej].clone()
+            residual[torch.arange(len(rejected), device=device),
+                     torch.tensor([flat_drafts[i] for i in draft_index], device=device)] = 0
+        # p == q up to rounding leaves nothing: then the target row itself (measure zero).
+        empty = residual.sum(dim=-1, keepdim=True) <= 0
+        final[rej] = torch.where(empty, final[rej], residual)
+    last = (final / noise).argmax(dim=-1).tolist()
+    tokens = [list(draft[:a]) + [t] for draft, a, t in zip(draft_token_ids, num_accepted, last)]
+    return tokens, first_rows
+
+
+def _check_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
+
+
+@dataclass(slots=True)
+class _Needs:
+    """Which stages some row of the batch needs."""
+
+    all_greedy: bool
+    bias: bool
+    min_tokens: bool
+    repetition: bool
+    frequency: bool
+    logprobs: bool
+
+    @property
+    def processing(self) -> bool:
+        return self.bias or self.min_tokens or self.repetition or self.frequency
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow]) -> "_Needs":
+        need = cls(True, False, False, False, False, False)
+        for row in rows:
+            p = row.params
+            if not p.greedy:
+                need.all_greedy = False
+            if p.logit_bias:
+                need.bias = True
+            if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
+                need.min_tokens = True
+            if p.repetition_penalty != 1.0:
+                need.repetition = True
+            if p.frequency_penalty or p.presence_penalty:
+                need.frequency = True
+            if p.logprobs is not None:
+                need.logprobs = True
+        return need
+
+
+def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs) -> torch.Tensor:
+    """Stages 1-3 on fp32 logits; returns `raw` itself when no row needs any of them."""
+    x = raw.clone() if (need.bias or need.min_tokens) else raw  # edited in place below
+    if need.bias:
+        _add_logit_bias(x, rows)
+    if need.min_tokens:
+        _mask_stop_tokens(x, rows)
+    if need.repetition:
+        x = _apply_repetition_penalty(x, rows)
+    if need.frequency:
+        x = _apply_frequency_presence_penalties(x, rows)
+    return x
 
 
 def _add_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:

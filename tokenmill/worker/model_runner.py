@@ -5,6 +5,10 @@ and receives only what changed each step. Tokens of all scheduled requests are c
 into one `[num_tokens]` batch, decodes first then prefill chunks, with their positions and
 cache slots; the model runs once over it; logits are computed only at the last position of
 requests whose known tokens are now all computed, and those rows are sampled.
+
+A request verifying draft tokens (speculative decoding) contributes its last token and its k
+drafts as one causal chunk (the prefill path of the attention backend); its k + 1 logit rows go
+through `Sampler.verify`, and the runner then proposes the next step's drafts.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tokenmill.layers.sampler import Sampler, SamplingRow
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import LoadedCheckpoint
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +93,11 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = (
+            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+            if config.speculative_method == "ngram" else None
+        )
 
     def kv_bytes_per_token(self) -> int:
         a = self.model.config
@@ -154,6 +164,8 @@ class ModelRunner:
         prefill_blocks: list[torch.Tensor] = []
         sample_req_ids: list[str] = []
         sample_indices: list[int] = []
+        # Requests verifying drafts: (req_id, flat index of its last known token, drafts).
+        spec_jobs: list[tuple[str, int, list[int]]] = []
         # (req_id, flat indices, the prompt tokens those positions predict)
         prompt_lp_jobs: list[tuple[str, range, list[int]]] = []
         bs = self.block_size
@@ -161,7 +173,9 @@ class ModelRunner:
             state = self.requests[req_id]
             start = state.num_computed_tokens
             end = start + num_new
-            assert end <= len(state.token_ids), f"{req_id}: scheduled past its known tokens"
+            drafts = sched.scheduled_spec_tokens.get(req_id)
+            known_end = end - len(drafts) if drafts else end
+            assert known_end <= len(state.token_ids), f"{req_id}: scheduled past its known tokens"
             blocks = state.block_ids
             last_predicting = min(end, state.num_prompt_tokens - 1)
             if state.sampling_params.prompt_logprobs and start < last_predicting:
@@ -169,7 +183,9 @@ class ModelRunner:
                 prompt_lp_jobs.append(
                     (req_id, range(first, first + last_predicting - start), state.token_ids[start + 1 : last_predicting + 1])
                 )
-            input_ids.extend(state.token_ids[start:end])
+            input_ids.extend(state.token_ids[start:known_end])
+            if drafts:
+                input_ids.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             num_ctx_blocks = -(-end // bs)
@@ -180,7 +196,9 @@ class ModelRunner:
                 prefill_q_lens.append(num_new)
                 prefill_seq_lens.append(end)
                 prefill_blocks.append(torch.tensor(blocks[:num_ctx_blocks], dtype=torch.long))
-            if end == len(state.token_ids):
+            if drafts:
+                spec_jobs.append((req_id, len(input_ids) - len(drafts) - 1, drafts))
+            elif end == len(state.token_ids):
                 sample_req_ids.append(req_id)
                 sample_indices.append(len(input_ids) - 1)
 
@@ -204,20 +222,51 @@ class ModelRunner:
         out = ModelRunnerOutput(sampled_token_ids={})
         for req_id, indices, targets in prompt_lp_jobs:
             out.prompt_logprobs[req_id] = self._token_logprobs(hidden, indices, targets)
-        if not sample_req_ids:
+        if not sample_req_ids and not spec_jobs:
             return out
 
+        for _, first, drafts in spec_jobs:  # each scores its last known token and every draft
+            sample_indices.extend(range(first, first + len(drafts) + 1))
         logits = self.model.compute_logits(hidden[sample_indices])  # [num_sampled, vocab]
-        rows = [self._sampling_row(self.requests[req_id]) for req_id in sample_req_ids]
-        sampled = self.sampler(logits, rows)
-        for i, req_id in enumerate(sample_req_ids):
-            token_id = sampled.token_ids[i]
-            self.requests[req_id].token_ids.append(token_id)
-            out.sampled_token_ids[req_id] = [token_id]
-            if rows[i].params.logprobs is not None:
-                out.logprobs[req_id] = [sampled.logprobs[i]]
-                out.top_logprobs[req_id] = [sampled.top_logprobs[i]]
+        num_plain = len(sample_req_ids)
+        if num_plain:
+            rows = [self._sampling_row(self.requests[req_id]) for req_id in sample_req_ids]
+            sampled = self.sampler(logits[:num_plain] if spec_jobs else logits, rows)
+            for i, req_id in enumerate(sample_req_ids):
+                token_id = sampled.token_ids[i]
+                self.requests[req_id].token_ids.append(token_id)
+                out.sampled_token_ids[req_id] = [token_id]
+                if rows[i].params.logprobs is not None:
+                    out.logprobs[req_id] = [sampled.logprobs[i]]
+                    out.top_logprobs[req_id] = [sampled.top_logprobs[i]]
+        if spec_jobs:
+            self._verify(logits[num_plain:], spec_jobs, out)
+        if sched.propose_drafts and self.proposer is not None:
+            for req_id in out.sampled_token_ids:
+                drafts = self.proposer.propose(self.requests[req_id].token_ids, self.num_speculative_tokens)
+                if drafts:
+                    out.spec_token_ids[req_id] = drafts
         return out
+
+    def _verify(self, logits: torch.Tensor, jobs: list[tuple[str, int, list[int]]], out: ModelRunnerOutput) -> None:
+        """Accept or reject the drafts of `jobs` (logits: each job's 1 + k rows, in order)."""
+        rows: list[SamplingRow] = []
+        for req_id, _, drafts in jobs:
+            state = self.requests[req_id]
+            prompt = state.token_ids[: state.num_prompt_tokens]
+            output = state.token_ids[state.num_prompt_tokens :]
+            for i in range(len(drafts) + 1):
+                rows.append(SamplingRow(state.sampling_params, prompt, output + drafts[:i] if i else output, state.eos_token_ids))
+        verified = self.sampler.verify(logits, rows, [drafts for _, _, drafts in jobs])
+        for j, (req_id, _, drafts) in enumerate(jobs):
+            state = self.requests[req_id]
+            tokens = verified.token_ids[j]
+            state.token_ids.extend(tokens)
+            state.num_computed_tokens -= len(drafts) + 1 - len(tokens)  # rejected drafts' KV is not kept
+            out.sampled_token_ids[req_id] = tokens
+            if state.sampling_params.logprobs is not None:
+                out.logprobs[req_id] = verified.logprobs[j]
+                out.top_logprobs[req_id] = verified.top_logprobs[j]
 
     def _token_logprobs(self, hidden: torch.Tensor, indices: range, targets: list[int], rows_per_slice: int = 256) -> list[float]:
         """log p(targets[i] | context up to flat position indices[i]), a slice of rows at a time

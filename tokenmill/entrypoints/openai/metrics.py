@@ -80,10 +80,20 @@ class _EngineCounters:
             ("tokenmill_swapped_out_bytes", "Bytes of KV swapped out to host memory",
              s.num_swapped_out_blocks * s.bytes_per_block),
             ("tokenmill_swapped_in_bytes", "Bytes of KV swapped back in", s.num_swapped_in_blocks * s.bytes_per_block),
+            ("tokenmill_spec_decode_num_drafts", "Speculative verifications (a request verifying drafts in a step)",
+             s.spec_drafts),
+            ("tokenmill_spec_decode_num_draft_tokens", "Speculative draft tokens verified", s.spec_draft_tokens),
+            ("tokenmill_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted", s.spec_accepted_tokens),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        family = CounterMetricFamily("tokenmill_spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative draft tokens accepted, by position in the draft",
+                                     labels=["model_name", "position"])
+        for position, value in enumerate(s.spec_accepted_per_position):
+            family.add_metric([self.model_name, str(position)], value)
+        yield family
 
 
 class RequestTracker:

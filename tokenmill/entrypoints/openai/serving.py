@@ -406,7 +406,13 @@ def _message_dict(index: int, message) -> dict:
 def _usage(finals: list[RequestOutput]) -> dict:
     prompt = sum(len(f.prompt_token_ids) for f in finals)
     completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    drafts = sum(c.num_draft_tokens for f in finals for c in f.outputs)
+    if drafts:  # an extension: what speculative decoding did for this request
+        usage["speculative_decoding"] = {
+            "draft_tokens": drafts, "accepted_tokens": sum(c.num_accepted_tokens for f in finals for c in f.outputs),
+        }
+    return usage
 
 
 def _sse(payload: dict) -> str:

@@ -1,0 +1,100 @@
+"""Speculative decoding (n-gram prompt lookup) on the real default model: greedy output is
+token-identical with speculation on and off, with concurrent requests of mixed lengths and a
+KV cache too small for them; stops, max_tokens, logprobs and seeds behave as without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+PROMPTS = [
+    "Rewrite these functions with type hints:\n\n" + CODE + "\nAnswer:\n\n",
+    "List of prime numbers: 2, 3, 5, 7, 11,",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    CODE + "\n\ndef div(a, b):\n",
+    "Paris is the capital of France. Berlin is the capital of Germany. Madrid",
+]
+MAX_TOKENS = [40, 17, 33, 25, 9]
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(default_model_path):
+    return LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def spec(default_model_path):
+    return LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return [plain.generate(p, greedy(n))[0].outputs[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
+
+
+def test_one_request_at_a_time_is_token_identical(spec, reference):
+    before = spec.engine.core.scheduler.num_spec_accepted_tokens
+    for prompt, n, ref in zip(PROMPTS, MAX_TOKENS, reference):
+        out = spec.generate(prompt, greedy(n))[0].outputs[0]
+        assert out.token_ids == ref
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+    assert spec.engine.core.scheduler.num_spec_accepted_tokens > before + 10  # it did speculate
+
+
+def test_concurrent_mixed_lengths_are_token_identical(spec, reference):
+    outs = spec.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert sum(o.outputs[0].num_accepted_tokens for o in outs) > 0
+    assert all(o.outputs[0].num_accepted_tokens <= o.outputs[0].num_draft_tokens for o in outs)
+
+
+def test_too_small_kv_cache_preempts_and_stays_token_identical(default_model_path, reference):
+    small = LLM(str(default_model_path), dtype="float32", num_kv_blocks=9, max_num_batched_tokens=64, **SPEC)
+    outs = small.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
+    core = small.engine.core
+    assert core.scheduler.num_preemptions > 0 and core.scheduler.num_spec_accepted_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert core.kv_cache_manager.num_free_blocks == 9
+
+
+def test_stop_token_and_stop_string_end_it_where_they_would_without_speculation(plain, spec):
+    prompt = PROMPTS[2]
+    ref = plain.generate(prompt, greedy(40))[0].outputs[0]
+    stop_id = ref.token_ids[12]
+    for params in (greedy(40, stop_token_ids=[stop_id]), greedy(40, stop=[" lazy"])):
+        a = plain.generate(prompt, params)[0].outputs[0]
+        b = spec.generate(prompt, params)[0].outputs[0]
+        assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason, a.stop_reason)
+    a = plain.generate(prompt, greedy(40, stop_token_ids=[stop_id]))[0].outputs[0]
+    b = spec.generate(prompt, greedy(40, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert b.token_ids == a.token_ids and b.token_ids[-1] == stop_id
+
+
+def test_logprobs_of_verified_tokens_match_plain_decoding(plain, spec):
+    params = greedy(24, logprobs=2)
+    a = plain.generate(PROMPTS[2], params)[0].outputs[0]
+    b = spec.generate(PROMPTS[2], params)[0].outputs[0]
+    assert b.num_accepted_tokens > 0 and b.token_ids == a.token_ids
+    assert len(b.logprobs) == len(b.token_ids)
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.token_id == y.token_id
+        assert y.logprob == pytest.approx(x.logprob, abs=1e-3)
+        assert [t for t, _ in y.top] == [t for t, _ in x.top]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(spec):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True)
+    alone = spec.generate(PROMPTS[2], params)[0].outputs[0].token_ids
+    again = spec.generate(PROMPTS[2], params)[0].outputs[0].token_ids
+    batched = spec.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]],
+                            [greedy(20), params, greedy(5)])[1].outputs[0].token_ids
+    assert alone == again == batched and len(alone) == 30
