@@ -51,7 +51,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the shared sampler generator (default: {d.seed})")
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=d.speculative_method,
                         help="speculative decoding: ngram = prompt lookup, drafts copied from earlier in the request's "
-                             "own tokens; the output distribution is unchanged (default: off)")
+                             "own tokens; draft = a small model (--draft-model) proposes them; the output distribution "
+                             "is unchanged (default: off)")
+    parser.add_argument("--draft-model", default=d.draft_model,
+                        help="with --speculative-method draft: the draft model (alias, .gguf or HF directory), same "
+                             "vocabulary as MODEL")
     parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                         help=f"most draft tokens a request verifies per step (default: {d.num_speculative_tokens})")
     parser.add_argument("--speculative-ngram-min", type=int, default=d.speculative_ngram_min,

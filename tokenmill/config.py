@@ -15,7 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_METHODS = ("int8", "int4")  # tokenmill.layers.linear implements them
 INT4_GROUP_SIZES = (32, 64, 128)
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class ConfigError(ValueError):
@@ -59,14 +59,16 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Seed of the sampler's shared generator (requests with their own seed ignore it).
     seed: int = 0
-    # Speculative decoding: None (off) or "ngram" (prompt lookup: drafts copied from earlier in
-    # the request's own tokens, matching its last speculative_ngram_min..max tokens). A decoding
+    # Speculative decoding: None (off), "ngram" (prompt lookup: drafts copied from earlier in
+    # the request's own tokens, matching its last speculative_ngram_min..max tokens) or "draft"
+    # (a smaller model with the same vocabulary, draft_model, proposes them). A decoding
     # request verifies up to num_speculative_tokens drafts in one step and emits 1 to k + 1
     # tokens; the output distribution is unchanged (greedy output is token-identical).
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    draft_model: str | None = None
     # Adaptive speculation: each request's draft length follows its recent acceptance (up to
     # num_speculative_tokens), and no request speculates in a step while more than
     # speculative_max_running requests are running (the step is then compute-bound and
@@ -100,6 +102,8 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError("speculative_method", f"must be one of {SPECULATIVE_METHODS} or None, got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ConfigError("draft_model", "a draft model is given exactly when speculative_method is 'draft'")
         _check_min("num_speculative_tokens", self.num_speculative_tokens, 1)
         _check_min("speculative_ngram_min", self.speculative_ngram_min, 1)
         _check_min("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)

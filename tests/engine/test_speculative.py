@@ -4,6 +4,8 @@ KV cache too small for them; stops, max_tokens, logprobs and seeds behave as wit
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tokenmill import LLM, SamplingParams
@@ -98,3 +100,68 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(spec):
     batched = spec.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]],
                             [greedy(20), params, greedy(5)])[1].outputs[0].token_ids
     assert alone == again == batched and len(alone) == 30
+
+
+# -- draft model --------------------------------------------------------------------------------
+
+def test_draft_model_self_draft_is_token_identical_and_always_accepted(default_model_path, reference):
+    """The default model as its own draft: q == p, so every draft must be accepted."""
+    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
+              speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    sched = llm.engine.core.scheduler
+    assert sched.num_spec_draft_tokens > 20 and sched.num_spec_accepted_tokens == sched.num_spec_draft_tokens
+    # sampling with q == p: still every draft accepted, and a seed reproduces the output
+    params = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=20, ignore_eos=True)
+    a, b = llm.generate([PROMPTS[1], PROMPTS[1]], params)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].num_accepted_tokens == a.outputs[0].num_draft_tokens > 0
+
+
+def test_unrelated_draft_model_with_a_small_kv_cache_is_token_identical(default_model_path, tiny_qwen2_dir):
+    """A tiny random Qwen2 with the same tokenizer drafts badly: most drafts are rejected and
+    rolled back, in both KV caches, while requests are preempted; the output must not change."""
+    kw = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64)
+    plain = LLM(str(default_model_path), num_kv_blocks=64, **kw)
+    refs = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
+    del plain
+    llm = LLM(str(default_model_path), num_kv_blocks=9, speculative_method="draft", draft_model=str(tiny_qwen2_dir),
+              num_speculative_tokens=2, **kw)
+    outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    sched = llm.engine.core.scheduler
+    assert sched.num_preemptions > 0
+    assert 0 <= sched.num_spec_accepted_tokens < sched.num_spec_draft_tokens
+    assert llm.engine.core.kv_cache_manager.num_free_blocks == 9
+
+
+def test_draft_model_with_another_vocabulary_is_refused(default_model_path, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenmill.config import ConfigError
+    from tokenmill.models.loader import load_checkpoint
+
+    tokenizer = load_checkpoint(default_model_path).tokenizer
+    config = LlamaConfig(vocab_size=len(tokenizer) + 64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8192)
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="draft_model.*vocabulary"):
+        LLM(str(default_model_path), dtype="float32", speculative_method="draft", draft_model=str(tmp_path))
+
+
+@pytest.mark.skipif(not (os.environ.get("TOKENMILL_QWEN_DRAFT") and os.environ.get("TOKENMILL_QWEN_TARGET")),
+                    reason="opt-in: set TOKENMILL_QWEN_DRAFT / TOKENMILL_QWEN_TARGET to the assembled "
+                           "Qwen2.5-Coder-0.5B / 1.5B-Instruct GGUF files (see ../shared/MODELS.md)")
+def test_qwen_coder_draft_target_pair_is_token_identical():
+    draft, target = os.environ["TOKENMILL_QWEN_DRAFT"], os.environ["TOKENMILL_QWEN_TARGET"]
+    prompts = [PROMPTS[0], PROMPTS[3], "Write a Python function that reverses a string.\n"]
+    params = [greedy(n) for n in (32, 24, 16)]
+    plain = LLM(target, dtype="float32", max_model_len=2048)
+    refs = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    del plain
+    spec = LLM(target, dtype="float32", max_model_len=2048, num_kv_blocks=24, speculative_method="draft",
+               draft_model=draft, num_speculative_tokens=4)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == refs
+    assert spec.engine.core.scheduler.num_spec_accepted_tokens > 0

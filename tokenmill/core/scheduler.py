@@ -50,6 +50,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     spec_adaptive: bool = True
     spec_max_running: int = 8
+    # KV slots reserved past a sampled request's scheduled tokens, where a draft model writes
+    # the KV of the drafts it proposes after the step (0 for n-gram drafts).
+    spec_lookahead: int = 0
 
 
 class Scheduler:
@@ -117,8 +120,9 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(req, num_new, budget) if speculate else []
-            new_block_ids = self.kv.allocate_slots(req, num_new + len(drafts))
-            if new_block_ids is None and drafts:  # no room for the drafts: decode without them
+            lookahead = self._lookahead(req, num_new) if speculate else 0
+            new_block_ids = self.kv.allocate_slots(req, num_new + len(drafts) + lookahead)
+            if new_block_ids is None and (drafts or lookahead):  # no room to speculate: plain decode
                 drafts = []
                 new_block_ids = self.kv.allocate_slots(req, num_new)
             while new_block_ids is None:
@@ -233,6 +237,12 @@ class Scheduler:
             self.config.max_model_len - req.num_tokens - 1,
         )
         return req.spec_token_ids[:k] if k > 0 else []
+
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        """Slots for a draft model's proposals after this step, if the step samples the request."""
+        if not self.config.spec_lookahead or req.num_computed_tokens + num_new < req.num_tokens:
+            return 0
+        return min(self.config.spec_lookahead, self.config.max_model_len - req.num_tokens)
 
     def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         req.num_draft_tokens += num_drafts

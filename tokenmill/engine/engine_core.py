@@ -49,6 +49,7 @@ class EngineCore:
                 num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
                 spec_adaptive=config.speculative_adaptive,
                 spec_max_running=config.speculative_max_running,
+                spec_lookahead=config.num_speculative_tokens if config.speculative_method == "draft" else 0,
             ),
             self.kv_cache_manager,
         )
@@ -62,10 +63,11 @@ class EngineCore:
         )
         if config.speculative_method:
             logger.info(
-                "speculative decoding: %s, up to %d drafts per request and step (n-gram %d..%d), adaptive %s, "
-                "off while more than %d requests are running",
-                config.speculative_method, config.num_speculative_tokens, config.speculative_ngram_min,
-                config.speculative_ngram_max, "on" if config.speculative_adaptive else "off", config.speculative_max_running,
+                "speculative decoding: %s, up to %d drafts per request and step, adaptive %s, "
+                "off while more than %d requests are running or waiting",
+                f"draft model {config.draft_model}" if config.speculative_method == "draft" else
+                f"n-gram {config.speculative_ngram_min}..{config.speculative_ngram_max}",
+                config.num_speculative_tokens, "on" if config.speculative_adaptive else "off", config.speculative_max_running,
             )
 
     def add_request(self, request: Request) -> None:

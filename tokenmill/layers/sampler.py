@@ -101,6 +101,17 @@ class Sampler:
             probs[idx] = p / p.sum(dim=-1, keepdim=True)
         return probs
 
+    def sample_from(self, probs: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """One token per row of `probs` ([n, vocab_size], e.g. from `probs`): a draft model's
+        proposals. Seeded rows draw from (seed, output position) on their own stream."""
+        noise = torch.empty_like(probs).uniform_(generator=self._generator(self._shared_generators, probs.device))
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                gen = self._generator(self._row_generators, probs.device)
+                gen.manual_seed(_row_seed(row.params.seed, len(row.output_token_ids)) ^ _DRAFT_STREAM)
+                noise[i].uniform_(generator=gen)
+        return (probs / noise.log_().neg_()).argmax(dim=-1).tolist()
+
     def verify(self, logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]],
                draft_probs: torch.Tensor | None = None) -> SpecSamplerOutput:
         """Speculative decoding: accept or reject each request's draft tokens, keeping the
@@ -238,6 +249,7 @@ def _row_seed(seed: int, step: int) -> int:
 # Mixed into a seeded row's generator seed for speculative verification, so its draws are not
 # the same numbers __call__ would draw at that position.
 _SPEC_STREAM = 0x5BEC_DEC0DE
+_DRAFT_STREAM = 0xD8AF7
 
 
 @dataclass

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
 from tokenmill.layers.linear import convert_linears
 from tokenmill.layers.sampler import Sampler, SamplingRow
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
+from tokenmill.models.registry import resolve_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 
@@ -44,6 +45,10 @@ class CachedRequestState:
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    # Draft-model speculation: the draft's distribution for each proposed token, and whether a
+    # step ran without the draft model keeping its KV up to date (then it proposes nothing).
+    draft_probs: torch.Tensor | None = None
+    draft_stale: bool = False
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -63,34 +68,27 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = config.block_size
-        arch = checkpoint.config
-        model_cls = MODEL_CLASSES.get(arch.architecture)
-        if model_cls is None:
-            raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
+        self.max_model_len = max_model_len
         t0 = time.perf_counter()
-        with torch.device("cpu"):
-            model = model_cls(arch, TorchAttentionBackend(), max_model_len, self.dtype)
-        model.load_weights(checkpoint.weights())
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        convert_linears(self.model, config.quantization, config.quantization_group_size)
+        self.model = self._load_model(checkpoint, config, max_model_len)
+        # Speculative decoding with a draft model: its own KV cache, under the same block
+        # tables as the target's (same block count and size, its own layer shapes), so every
+        # slot the scheduler hands out holds both models' K/V for that token.
+        self.draft_model = None
+        if config.speculative_method == "draft":
+            self.draft_model = self._load_draft(config, checkpoint, max_model_len)
         self.load_seconds = time.perf_counter() - t0
-        self.num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb, arch)
-        shape = (self.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(arch.num_hidden_layers)
-        ]
+        models = [m for m in (self.model, self.draft_model) if m is not None]
+        self.num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
+        self.kv_caches = self._make_caches(self.model.config, self.num_blocks, self.device)
+        self.draft_kv_caches = self._make_caches(self.draft_model.config, self.num_blocks, self.device) if self.draft_model else []
         # The host pool that preempted requests are swapped out to (pinned for fast copies on CUDA).
         self.num_host_blocks = (
             config.num_host_kv_blocks if config.num_host_kv_blocks is not None
-            else self._blocks_for_budget(config.swap_space_gb, arch) if config.swap_space_gb > 0 else 0
+            else self._blocks_for_budget(config.swap_space_gb) if config.swap_space_gb > 0 else 0
         )
-        host_shape = (self.num_host_blocks, *shape[1:])
-        pin = self.device.type == "cuda"
-        self.host_kv_caches = [
-            (torch.empty(host_shape, dtype=self.dtype, pin_memory=pin), torch.empty(host_shape, dtype=self.dtype, pin_memory=pin))
-            for _ in range(arch.num_hidden_layers if self.num_host_blocks else 0)
-        ]
+        host = [self._make_caches(m.config, self.num_host_blocks, "cpu") for m in models] if self.num_host_blocks else [[]]
+        self.host_kv_caches = [layer for caches in host for layer in caches]
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -99,17 +97,53 @@ class ModelRunner:
             if config.speculative_method == "ngram" else None
         )
 
+    def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
+        arch = checkpoint.config
+        model_cls = MODEL_CLASSES.get(arch.architecture)
+        if model_cls is None:
+            raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
+        with torch.device("cpu"):
+            model = model_cls(arch, TorchAttentionBackend(), max_model_len, self.dtype)
+        model.load_weights(checkpoint.weights())
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        convert_linears(model, config.quantization, config.quantization_group_size)
+        return model
+
+    def _load_draft(self, config: EngineConfig, target: LoadedCheckpoint, max_model_len: int):
+        draft = load_checkpoint(resolve_model(config.draft_model))
+        if draft.config.vocab_size != target.config.vocab_size or draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ConfigError(
+                "draft_model",
+                f"{draft.source.name} does not share the vocabulary of {target.source.name} "
+                f"({draft.config.vocab_size} vs {target.config.vocab_size} token ids, or different tokens)",
+            )
+        if draft.config.max_position_embeddings < max_model_len:
+            raise ConfigError("draft_model", f"{draft.source.name} has a context of {draft.config.max_position_embeddings} "
+                              f"tokens, less than max_model_len {max_model_len}")
+        return self._load_model(draft, config, max_model_len)
+
+    def _make_caches(self, arch, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        pin = device == "cpu" and self.device.type == "cuda"  # host pool: pinned for fast copies
+        return [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin) if pin
+                  else torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2))
+            for _ in range(arch.num_hidden_layers)
+        ]
+
     def kv_bytes_per_token(self) -> int:
-        a = self.model.config
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self.dtype.itemsize
+        """Both models' K and V for one token (the draft model's too, when there is one)."""
+        return sum(
+            2 * m.config.num_hidden_layers * m.config.num_key_value_heads * m.config.head_dim * self.dtype.itemsize
+            for m in (self.model, self.draft_model) if m is not None
+        )
 
     @property
     def bytes_per_block(self) -> int:
         return self.block_size * self.kv_bytes_per_token()
 
-    def _blocks_for_budget(self, memory_gb: float, arch) -> int:
-        bytes_per_block = 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
-        return max(1, int(memory_gb * 2**30) // bytes_per_block)
+    def _blocks_for_budget(self, memory_gb: float) -> int:
+        return max(1, int(memory_gb * 2**30) // self.bytes_per_block)
 
     def _swap(self, copies: list[tuple[int, int]], out: bool) -> None:
         """Copy whole blocks between the device cache and the host pool, every layer."""
@@ -117,7 +151,7 @@ class ModelRunner:
             return
         device_ids = torch.tensor([c[0 if out else 1] for c in copies], dtype=torch.long, device=self.device)
         host_ids = torch.tensor([c[1 if out else 0] for c in copies], dtype=torch.long)
-        for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+        for device_kv, host_kv in zip(self.kv_caches + self.draft_kv_caches, self.host_kv_caches, strict=True):
             for dev_cache, host_cache in zip(device_kv, host_kv):
                 if out:
                     host_cache.index_copy_(0, host_ids, dev_cache.index_select(0, device_ids).cpu())
@@ -143,7 +177,7 @@ class ModelRunner:
         self._swap(sched.blocks_to_swap_out, out=True)
         self._swap(sched.blocks_to_swap_in, out=False)
         for src, dst in sched.blocks_to_copy:  # in order: a copy may read an earlier one's result
-            for layer in self.kv_caches:
+            for layer in self.kv_caches + self.draft_kv_caches:
                 for cache in layer:
                     cache[dst].copy_(cache[src])
         if sched.total_num_scheduled_tokens == 0:
@@ -211,12 +245,15 @@ class ModelRunner:
             prefill_seq_lens=prefill_seq_lens,
             prefill_block_ids=[b.to(dev) for b in prefill_blocks],
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
+        input_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(input_t, positions_t, self.kv_caches, meta)
+        if self.draft_model is not None:
+            if sched.propose_drafts:  # the draft model's KV follows every computed token
+                self.draft_model(input_t, positions_t, self.draft_kv_caches, meta)
+            else:  # under load: skipped, and these requests' draft KV is incomplete for good
+                for req_id, _ in order:
+                    self.requests[req_id].draft_stale = True
         for req_id, num_new in order:
             self.requests[req_id].num_computed_tokens += num_new
         out = ModelRunnerOutput(sampled_token_ids={})
@@ -246,7 +283,59 @@ class ModelRunner:
                 drafts = self.proposer.propose(self.requests[req_id].token_ids, self.num_speculative_tokens)
                 if drafts:
                     out.spec_token_ids[req_id] = drafts
+        elif sched.propose_drafts and self.draft_model is not None:
+            self._propose_with_draft_model(list(out.sampled_token_ids), out)
         return out
+
+    def _propose_with_draft_model(self, req_ids: list[str], out: ModelRunnerOutput) -> None:
+        """Up to k drafts per request from the draft model: k batched single-token passes, pass i
+        feeding each request's newest token (then its drafts) at position P + i and sampling the
+        next draft from the draft's distribution, processed like the target's (temperature,
+        top-k/p, penalties). The K/V goes to the slots the scheduler reserved past the request's
+        tokens (its lookahead); a request gets as many drafts as it has reserved slots."""
+        bs = self.block_size
+        jobs = []  # (state, position of its newest token, number of drafts to propose)
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            state.draft_probs = None
+            pos = len(state.token_ids) - 1
+            n = min(self.num_speculative_tokens, len(state.block_ids) * bs - pos, self.max_model_len - 1 - pos)
+            if n > 0 and not state.draft_stale:
+                jobs.append((state, pos, n))
+        if not jobs:
+            return
+        jobs.sort(key=lambda job: job[1])  # decode groups want the shortest context first
+        drafts: list[list[int]] = [[] for _ in jobs]
+        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        dev = self.device
+        for i in range(max(n for _, _, n in jobs)):
+            active = [j for j, (_, _, n) in enumerate(jobs) if n > i]
+            tokens, positions, slots, tables, seq_lens, rows = [], [], [], [], [], []
+            for j in active:
+                state, pos, _ = jobs[j]
+                p = pos + i
+                tokens.append(drafts[j][-1] if i else state.token_ids[-1])
+                positions.append(p)
+                slots.append(state.block_ids[p // bs] * bs + p % bs)
+                tables.append(state.block_ids[: p // bs + 1])
+                seq_lens.append(p + 1)
+                rows.append(SamplingRow(state.sampling_params, state.token_ids[: state.num_prompt_tokens],
+                                        state.token_ids[state.num_prompt_tokens :] + drafts[j], state.eos_token_ids))
+            meta = AttentionMetadata(
+                num_decodes=len(active),
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                decode_groups=build_decode_groups(tables, seq_lens, bs, dev),
+                prefill_query_lens=[], prefill_seq_lens=[], prefill_block_ids=[],
+            )
+            hidden = self.draft_model(torch.tensor(tokens, dtype=torch.long, device=dev),
+                                      torch.tensor(positions, dtype=torch.long, device=dev), self.draft_kv_caches, meta)
+            q = self.sampler.probs(self.draft_model.compute_logits(hidden), rows)
+            for j, token, row_q in zip(active, self.sampler.sample_from(q, rows), q):
+                drafts[j].append(token)
+                probs[j].append(row_q)
+        for (state, _, _), d, q in zip(jobs, drafts, probs):
+            state.draft_probs = torch.stack(q)
+            out.spec_token_ids[state.req_id] = d
 
     def _verify(self, logits: torch.Tensor, jobs: list[tuple[str, int, list[int]]], out: ModelRunnerOutput) -> None:
         """Accept or reject the drafts of `jobs` (logits: each job's 1 + k rows, in order)."""
@@ -257,7 +346,10 @@ class ModelRunner:
             output = state.token_ids[state.num_prompt_tokens :]
             for i in range(len(drafts) + 1):
                 rows.append(SamplingRow(state.sampling_params, prompt, output + drafts[:i] if i else output, state.eos_token_ids))
-        verified = self.sampler.verify(logits, rows, [drafts for _, _, drafts in jobs])
+        draft_probs = None
+        if self.draft_model is not None:
+            draft_probs = torch.cat([self.requests[req_id].draft_probs[: len(drafts)] for req_id, _, drafts in jobs])
+        verified = self.sampler.verify(logits, rows, [drafts for _, _, drafts in jobs], draft_probs)
         for j, (req_id, _, drafts) in enumerate(jobs):
             state = self.requests[req_id]
             tokens = verified.token_ids[j]
