@@ -74,7 +74,7 @@ class EngineConfig:
     # speculative_max_running requests are running (the step is then compute-bound and
     # verifying drafts costs more than it saves).
     speculative_adaptive: bool = True
-    speculative_max_running: int = 8
+    speculative_max_running: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

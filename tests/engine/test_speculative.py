@@ -21,7 +21,9 @@ PROMPTS = [
     "Paris is the capital of France. Berlin is the capital of Germany. Madrid",
 ]
 MAX_TOKENS = [40, 17, 33, 25, 9]
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3)
+# speculative_max_running above the number of prompts: every request speculates while they all run.
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3,
+            speculative_max_running=8)
 
 
 def greedy(max_tokens, **kw):
@@ -107,7 +109,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(spec):
 def test_draft_model_self_draft_is_token_identical_and_always_accepted(default_model_path, reference):
     """The default model as its own draft: q == p, so every draft must be accepted."""
     llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
-              speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3)
+              speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3, speculative_max_running=8)
     outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [o.outputs[0].token_ids for o in outs] == reference
     sched = llm.engine.core.scheduler
@@ -127,7 +129,7 @@ def test_unrelated_draft_model_with_a_small_kv_cache_is_token_identical(default_
     refs = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
     del plain
     llm = LLM(str(default_model_path), num_kv_blocks=9, speculative_method="draft", draft_model=str(tiny_qwen2_dir),
-              num_speculative_tokens=2, **kw)
+              num_speculative_tokens=2, speculative_max_running=8, **kw)
     outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [o.outputs[0].token_ids for o in outs] == refs
     sched = llm.engine.core.scheduler

@@ -49,7 +49,7 @@ class SchedulerConfig:
     # draft lengths; no drafts while more than spec_max_running requests run.
     num_speculative_tokens: int = 0
     spec_adaptive: bool = True
-    spec_max_running: int = 8
+    spec_max_running: int = 2
     # KV slots reserved past a sampled request's scheduled tokens, where a draft model writes
     # the KV of the drafts it proposes after the step (0 for n-gram drafts).
     spec_lookahead: int = 0
