@@ -20,7 +20,7 @@ PROMPTS = [
     CODE + "\n\ndef div(a, b):\n",
     "Paris is the capital of France. Berlin is the capital of Germany. Madrid",
 ]
-MAX_TOKENS = [40, 17, 33, 25, 9]
+MAX_TOKENS = [28, 11, 24, 16, 7]
 # speculative_max_running above the number of prompts: every request speculates while they all run.
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3,
             speculative_max_running=8)
@@ -42,16 +42,18 @@ def spec(default_model_path):
 
 @pytest.fixture(scope="module")
 def reference(plain):
-    return [plain.generate(p, greedy(n))[0].outputs[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
+    """Greedy outputs without speculation (batched: token-identical to one at a time in fp32,
+    which tests/engine/test_llm.py checks)."""
+    return [o.outputs[0].token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
 
 
 def test_one_request_at_a_time_is_token_identical(spec, reference):
     before = spec.engine.core.scheduler.num_spec_accepted_tokens
-    for prompt, n, ref in zip(PROMPTS, MAX_TOKENS, reference):
+    for prompt, n, ref in list(zip(PROMPTS, MAX_TOKENS, reference))[:3]:
         out = spec.generate(prompt, greedy(n))[0].outputs[0]
         assert out.token_ids == ref
         assert len(out.token_ids) == n and out.finish_reason == "length"
-    assert spec.engine.core.scheduler.num_spec_accepted_tokens > before + 10  # it did speculate
+    assert spec.engine.core.scheduler.num_spec_accepted_tokens > before + 5  # it did speculate
 
 
 def test_concurrent_mixed_lengths_are_token_identical(spec, reference):
@@ -62,29 +64,28 @@ def test_concurrent_mixed_lengths_are_token_identical(spec, reference):
 
 
 def test_too_small_kv_cache_preempts_and_stays_token_identical(default_model_path, reference):
-    small = LLM(str(default_model_path), dtype="float32", num_kv_blocks=9, max_num_batched_tokens=64, **SPEC)
+    small = LLM(str(default_model_path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=64, **SPEC)
     outs = small.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     core = small.engine.core
     assert core.scheduler.num_preemptions > 0 and core.scheduler.num_spec_accepted_tokens > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
-    assert core.kv_cache_manager.num_free_blocks == 9
+    assert core.kv_cache_manager.num_free_blocks == 7
 
 
 def test_stop_token_and_stop_string_end_it_where_they_would_without_speculation(plain, spec):
     prompt = PROMPTS[2]
-    ref = plain.generate(prompt, greedy(40))[0].outputs[0]
+    ref = plain.generate(prompt, greedy(24))[0].outputs[0]
     stop_id = ref.token_ids[12]
-    for params in (greedy(40, stop_token_ids=[stop_id]), greedy(40, stop=[" lazy"])):
+    for params in (greedy(24, stop_token_ids=[stop_id]), greedy(24, stop=[" lazy"])):
         a = plain.generate(prompt, params)[0].outputs[0]
         b = spec.generate(prompt, params)[0].outputs[0]
         assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason, a.stop_reason)
-    a = plain.generate(prompt, greedy(40, stop_token_ids=[stop_id]))[0].outputs[0]
-    b = spec.generate(prompt, greedy(40, stop_token_ids=[stop_id]))[0].outputs[0]
-    assert b.token_ids == a.token_ids and b.token_ids[-1] == stop_id
+        if params.stop_token_ids:
+            assert b.token_ids == a.token_ids and b.token_ids[-1] == stop_id
 
 
 def test_logprobs_of_verified_tokens_match_plain_decoding(plain, spec):
-    params = greedy(24, logprobs=2)
+    params = greedy(16, logprobs=2)
     a = plain.generate(PROMPTS[2], params)[0].outputs[0]
     b = spec.generate(PROMPTS[2], params)[0].outputs[0]
     assert b.num_accepted_tokens > 0 and b.token_ids == a.token_ids
@@ -96,12 +97,12 @@ def test_logprobs_of_verified_tokens_match_plain_decoding(plain, spec):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(spec):
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
     alone = spec.generate(PROMPTS[2], params)[0].outputs[0].token_ids
     again = spec.generate(PROMPTS[2], params)[0].outputs[0].token_ids
     batched = spec.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]],
-                            [greedy(20), params, greedy(5)])[1].outputs[0].token_ids
-    assert alone == again == batched and len(alone) == 30
+                            [greedy(12), params, greedy(5)])[1].outputs[0].token_ids
+    assert alone == again == batched and len(alone) == 16
 
 
 # -- draft model --------------------------------------------------------------------------------
@@ -113,9 +114,9 @@ def test_draft_model_self_draft_is_token_identical_and_always_accepted(default_m
     outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [o.outputs[0].token_ids for o in outs] == reference
     sched = llm.engine.core.scheduler
-    assert sched.num_spec_draft_tokens > 20 and sched.num_spec_accepted_tokens == sched.num_spec_draft_tokens
+    assert sched.num_spec_draft_tokens > 10 and sched.num_spec_accepted_tokens == sched.num_spec_draft_tokens
     # sampling with q == p: still every draft accepted, and a seed reproduces the output
-    params = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=10, ignore_eos=True)
     a, b = llm.generate([PROMPTS[1], PROMPTS[1]], params)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].num_accepted_tokens == a.outputs[0].num_draft_tokens > 0
@@ -128,14 +129,14 @@ def test_unrelated_draft_model_with_a_small_kv_cache_is_token_identical(default_
     plain = LLM(str(default_model_path), num_kv_blocks=64, **kw)
     refs = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
     del plain
-    llm = LLM(str(default_model_path), num_kv_blocks=9, speculative_method="draft", draft_model=str(tiny_qwen2_dir),
+    llm = LLM(str(default_model_path), num_kv_blocks=7, speculative_method="draft", draft_model=str(tiny_qwen2_dir),
               num_speculative_tokens=2, speculative_max_running=8, **kw)
     outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [o.outputs[0].token_ids for o in outs] == refs
     sched = llm.engine.core.scheduler
     assert sched.num_preemptions > 0
     assert 0 <= sched.num_spec_accepted_tokens < sched.num_spec_draft_tokens
-    assert llm.engine.core.kv_cache_manager.num_free_blocks == 9
+    assert llm.engine.core.kv_cache_manager.num_free_blocks == 7
 
 
 def test_draft_model_with_another_vocabulary_is_refused(default_model_path, tmp_path):
