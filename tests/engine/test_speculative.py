@@ -165,6 +165,6 @@ def test_qwen_coder_draft_target_pair_is_token_identical():
     refs = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     del plain
     spec = LLM(target, dtype="float32", max_model_len=2048, num_kv_blocks=24, speculative_method="draft",
-               draft_model=draft, num_speculative_tokens=4)
+               draft_model=draft, num_speculative_tokens=4, speculative_max_running=8)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == refs
     assert spec.engine.core.scheduler.num_spec_accepted_tokens > 0
