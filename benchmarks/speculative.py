@@ -23,8 +23,9 @@ Three engines are loaded side by side (same model, dtype, threads and KV budget)
    HumanEval problems, cycled past 164) added at once (one `chat` call), EOS ignored,
    `--sweep-max-tokens` each; output tok/s = output tokens / wall time, per engine, the median
    of `--repeats` runs (the engines interleaved within each repeat). Each engine's prefix cache
-   is filled with the sweep's prompts first, so the timed runs are (almost) all decode. The crossover, the largest N up to which on-no-limit is still >= 1.0x off, is what the
-   default speculative_max_running is chosen from.
+   is filled with the sweep's prompts first, so the timed runs are (almost) all decode. The
+   crossover, the largest N up to which on-no-limit is still >= 1.0x off, is what the default
+   speculative_max_running is chosen from.
 
     python benchmarks/speculative.py
     python benchmarks/speculative.py --num-prompts 1 --concurrencies 1,2 --max-tokens 16 --sweep-max-tokens 16 --repeats 1   # smoke test
@@ -137,6 +138,28 @@ def quote_conversations(count: int) -> list[list[dict]]:
 # -- measuring ----------------------------------------------------------------------------------
 
 
+class Steal:
+    """CPU time the hypervisor gave to other guests while a section ran (/proc/stat's steal), in
+    cores on average: busy neighbours slow a VM down without any process here showing it."""
+
+    def __init__(self):
+        self.start, self.t0 = _steal_seconds(), time.perf_counter()
+
+    def cores(self) -> float | None:
+        end = _steal_seconds()
+        if end is None or self.start is None:
+            return None
+        return (end - self.start) / (time.perf_counter() - self.t0)
+
+
+def _steal_seconds() -> float | None:
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def spec_counters(llm) -> dict:
     s = llm.engine.core.scheduler
     return {
@@ -191,7 +214,7 @@ def run_batch1(engines: dict, conversations: list[list[dict]], max_tokens: int) 
     names = ("off", "on")
     before = {n: spec_counters(engines[n]) for n in names}
     requests = {n: [] for n in names}
-    other = OtherLoad()
+    other, steal = OtherLoad(), Steal()
     for conv in conversations:
         for name in names:
             t0 = time.perf_counter()
@@ -209,8 +232,8 @@ def run_batch1(engines: dict, conversations: list[list[dict]], max_tokens: int) 
                 "num_accepted_tokens": c.num_accepted_tokens,
                 "token_ids": list(c.token_ids),
             })
-    other_cores = other.cores()
-    result = {"requests": len(conversations), "other_processes_cores": other_cores}
+    other_cores, steal_cores = other.cores(), steal.cores()
+    result = {"requests": len(conversations), "other_processes_cores": other_cores, "steal_cores": steal_cores}
     for name in names:
         runs = requests[name]
         counters = counters_since(engines[name], before[name])
@@ -256,7 +279,7 @@ def run_sweep(engines: dict, conversations: list[list[dict]], concurrencies: lis
         runs = {name: [] for name in engines}
         before = {name: spec_counters(llm) for name, llm in engines.items()}
         token_ids: dict[str, list] = {name: [] for name in engines}  # per repeat, per request
-        other = OtherLoad()
+        other, steal = OtherLoad(), Steal()
         for _ in range(repeats):
             for name, llm in engines.items():
                 kv = llm.engine.core.kv_cache_manager
@@ -272,8 +295,7 @@ def run_sweep(engines: dict, conversations: list[list[dict]], concurrencies: lis
                     "prompt_tokens": prompt_tokens,
                     "prompt_tokens_computed": prompt_tokens - (kv.prefix_hit_tokens - hits0),
                 })
-        other_cores = other.cores()
-        row = {"concurrency": n, "other_processes_cores": other_cores}
+        row = {"concurrency": n, "other_processes_cores": other.cores(), "steal_cores": steal.cores()}
         for name, llm in engines.items():
             counters = counters_since(llm, before[name])
             speeds = [r["output_tok_per_s"] for r in runs[name]]
@@ -449,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     warning = busy_warning(cores)
     if warning:
         print(warning)
+    steal = {f"batch 1 {t}": r["steal_cores"] for t, r in batch1.items()}
+    steal.update({f"sweep N={row['concurrency']}": row["steal_cores"] for row in sweep})
+    stolen = {name: c for name, c in steal.items() if c is not None and c > 0.05}
+    if stolen:
+        print("WARNING: the hypervisor gave CPU time to other guests during the timed runs ("
+              + ", ".join(f"{name}: {c:.2f} cores stolen" for name, c in stolen.items()) + "); expect noisier numbers")
 
     write_report(
         args.output,

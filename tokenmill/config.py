@@ -71,7 +71,7 @@ class EngineConfig:
     draft_model: str | None = None
     # Adaptive speculation: each request's draft length follows its recent acceptance (up to
     # num_speculative_tokens), and no request speculates in a step while more than
-    # speculative_max_running requests are running (the step is then compute-bound and
+    # speculative_max_running requests are running or waiting (the step is then compute-bound and
     # verifying drafts costs more than it saves).
     speculative_adaptive: bool = True
     speculative_max_running: int = 2
