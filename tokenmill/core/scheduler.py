@@ -94,6 +94,7 @@ class Scheduler:
             )
         if request.request_id in self.requests:
             raise RequestRejectedError(f"request id {request.request_id!r} is already in use")
+        request.spec_k = self.config.num_speculative_tokens
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -227,8 +228,6 @@ class Scheduler:
         k + 1 emitted tokens must fit, so speculation never overshoots)."""
         if not req.spec_token_ids or num_new != 1 or req.num_computed_tokens < req.num_prompt_tokens:
             return []
-        if req.spec_k == 0:
-            req.spec_k = self.config.num_speculative_tokens
         k = min(
             len(req.spec_token_ids),
             req.spec_k,

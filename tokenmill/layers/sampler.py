@@ -104,13 +104,8 @@ class Sampler:
     def sample_from(self, probs: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """One token per row of `probs` ([n, vocab_size], e.g. from `probs`): a draft model's
         proposals. Seeded rows draw from (seed, output position) on their own stream."""
-        noise = torch.empty_like(probs).uniform_(generator=self._generator(self._shared_generators, probs.device))
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
-                gen = self._generator(self._row_generators, probs.device)
-                gen.manual_seed(_row_seed(row.params.seed, len(row.output_token_ids)) ^ _DRAFT_STREAM)
-                noise[i].uniform_(generator=gen)
-        return (probs / noise.log_().neg_()).argmax(dim=-1).tolist()
+        noise = self._exponential_noise(probs, [row.params for row in rows], rows, stream=_DRAFT_STREAM)
+        return (probs / noise).argmax(dim=-1).tolist()
 
     def verify(self, logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]],
                draft_probs: torch.Tensor | None = None) -> SpecSamplerOutput:
@@ -204,10 +199,11 @@ class Sampler:
         return probs
 
     def _exponential_noise(
-        self, probs: torch.Tensor, params: list[SamplingParams], rows: list[SamplingRow]
+        self, probs: torch.Tensor, params: list[SamplingParams], rows: list[SamplingRow], stream: int = 0
     ) -> torch.Tensor:
         """[n, vocab_size] Exp(1) noise, as -log(U) with U uniform in [0, 1): never 0 (no inf or
-        nan in probs / E), and several times faster than `exponential_` on CPU."""
+        nan in probs / E), and several times faster than `exponential_` on CPU. A seeded row's
+        generator is seeded from (seed, output position) xor `stream` (0: the plain sampler's)."""
         device = probs.device
         noise = torch.empty_like(probs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
@@ -216,7 +212,7 @@ class Sampler:
         if seeded:
             gen = self._generator(self._row_generators, device)
             for i in seeded:
-                gen.manual_seed(_row_seed(params[i].seed, len(rows[i].output_token_ids)))
+                gen.manual_seed(_row_seed(params[i].seed, len(rows[i].output_token_ids)) ^ stream)
                 noise[i].uniform_(generator=gen)
         return noise.log_().neg_()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,8 +127,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
         pin = device == "cpu" and self.device.type == "cuda"  # host pool: pinned for fast copies
         return [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin) if pin
-                  else torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2))
+            tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin) for _ in range(2))
             for _ in range(arch.num_hidden_layers)
         ]
 
@@ -319,8 +319,7 @@ class ModelRunner:
                 slots.append(state.block_ids[p // bs] * bs + p % bs)
                 tables.append(state.block_ids[: p // bs + 1])
                 seq_lens.append(p + 1)
-                rows.append(SamplingRow(state.sampling_params, state.token_ids[: state.num_prompt_tokens],
-                                        state.token_ids[state.num_prompt_tokens :] + drafts[j], state.eos_token_ids))
+                rows.append(self._sampling_row(state, drafts[j]))
             meta = AttentionMetadata(
                 num_decodes=len(active),
                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -339,13 +338,10 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, jobs: list[tuple[str, int, list[int]]], out: ModelRunnerOutput) -> None:
         """Accept or reject the drafts of `jobs` (logits: each job's 1 + k rows, in order)."""
-        rows: list[SamplingRow] = []
-        for req_id, _, drafts in jobs:
-            state = self.requests[req_id]
-            prompt = state.token_ids[: state.num_prompt_tokens]
-            output = state.token_ids[state.num_prompt_tokens :]
-            for i in range(len(drafts) + 1):
-                rows.append(SamplingRow(state.sampling_params, prompt, output + drafts[:i] if i else output, state.eos_token_ids))
+        rows = [
+            self._sampling_row(self.requests[req_id], drafts[:i])
+            for req_id, _, drafts in jobs for i in range(len(drafts) + 1)
+        ]
         draft_probs = None
         if self.draft_model is not None:
             draft_probs = torch.cat([self.requests[req_id].draft_probs[: len(drafts)] for req_id, _, drafts in jobs])
@@ -372,11 +368,13 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def _sampling_row(state: CachedRequestState) -> SamplingRow:
+    def _sampling_row(state: CachedRequestState, drafts: Sequence[int] = ()) -> SamplingRow:
+        """The request's row; with `drafts`, the row that scores the token after them."""
+        output = state.token_ids[state.num_prompt_tokens :]
         return SamplingRow(
             params=state.sampling_params,
             prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
-            output_token_ids=state.token_ids[state.num_prompt_tokens :],
+            output_token_ids=output + list(drafts) if drafts else output,
             eos_token_ids=state.eos_token_ids,
         )
 
