@@ -279,6 +279,17 @@ def machine_info() -> dict:
     return info
 
 
+def print_ratios(results: list[dict], references: tuple[str, ...], key: str, what: str) -> None:
+    """One line per reference engine present in `results`: each tokenmill config's `key` over
+    the reference's, e.g. `tokenmill decode tok/s / hf-transformers: bf16 1.83x, int8 2.04x`."""
+    for ref in references:
+        base = next((r for r in results if r["engine"] == ref), None)
+        if base and base[key]:
+            ratios = ", ".join(f"{r['config']} {r[key] / base[key]:.2f}x" for r in results if r.get("config"))
+            if ratios:
+                print(f"tokenmill {what} / {ref}: {ratios}")
+
+
 def print_table(header: list[str], rows: list[list[str]], left: int = 1) -> None:
     """Columns padded to width; the first `left` columns left-aligned, the others right-aligned."""
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]

@@ -39,7 +39,8 @@ from pathlib import Path
 
 from common import (
     CONFIG_NAMES, RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, config_kwargs, config_label, cut_prompts, fmt,
-    hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_table, run_llama_bench, text_token_ids, write_report,
+    hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_ratios, print_table, run_llama_bench, text_token_ids,
+    write_report,
 )
 
 DEFAULT_OUTPUT = RESULTS_DIR / "decode_latency.json"
@@ -326,13 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     print("decode tok/s = (n - 1) / (last token - first token); ceiling = bandwidth / bytes read per token "
           "(weights only)" + ("; llama-bench decodes from an empty context, the others after the prompt"
                               if args.llama_bench else ""))
-    for ref in ("hf-transformers", "llama.cpp (llama-bench)"):
-        base = next((r for r in results if r["engine"] == ref), None)
-        if base and base["decode_tok_per_s"]:
-            ratios = ", ".join(f"{r['config']} {r['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x"
-                               for r in results if r.get("config"))
-            if ratios:
-                print(f"tokenmill decode tok/s / {ref}: {ratios}")
+    print_ratios(results, ("hf-transformers", "llama.cpp (llama-bench)"), "decode_tok_per_s", "decode tok/s")
     warning = busy_warning({r["engine"]: r["other_processes_cores"] for r in results})
     if warning:
         print(warning)

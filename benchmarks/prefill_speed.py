@@ -31,7 +31,7 @@ from pathlib import Path
 
 from common import (
     CONFIG_NAMES, RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, config_kwargs, config_label, cut_prompts, fmt,
-    load_hf, parse_configs, print_table, run_llama_bench, text_token_ids, write_report,
+    load_hf, parse_configs, print_ratios, print_table, run_llama_bench, text_token_ids, write_report,
 )
 
 DEFAULT_OUTPUT = RESULTS_DIR / "prefill_speed.json"
@@ -209,13 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompt tok/s = {args.prompt_len} / prefill time: tokenmill TTFT of one request (median of "
           f"{args.num_prompts}), HF one forward (median of {args.repeats}), llama-bench avg_ts; "
           f"'at once': {args.num_prompts} prompts in one generate, prompt tokens / wall time")
-    for ref in ("hf-transformers (one forward)", "llama.cpp (llama-bench)"):
-        base = next((r for r in results if r["engine"] == ref), None)
-        if base:
-            ratios = ", ".join(f"{r['config']} {r['prompt_tok_per_s'] / base['prompt_tok_per_s']:.2f}x"
-                               for r in results if r.get("config"))
-            if ratios:
-                print(f"tokenmill prompt tok/s (one at a time) / {ref}: {ratios}")
+    print_ratios(results, ("hf-transformers (one forward)", "llama.cpp (llama-bench)"), "prompt_tok_per_s",
+                 "prompt tok/s (one at a time)")
     warning = busy_warning({r["engine"]: r["other_processes_cores"] for r in results})
     if warning:
         print(warning)
