@@ -7,7 +7,10 @@ import dataclasses
 import logging
 import sys
 
-from tokenmill.config import DEVICES, DTYPES, INT4_GROUP_SIZES, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
+from tokenmill.config import (
+    DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS, QUANTIZATION_METHODS, SPECULATIVE_METHODS,
+    EngineConfig,
+)
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
 
 _DEFAULTS = EngineConfig()
@@ -22,10 +25,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype; auto = bf16 on CPUs with native bf16 and on CUDA, else fp32 (default: auto)")
     parser.add_argument("--device", choices=DEVICES, default=d.device, help="device (default: auto = cuda if available)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
-                        help="weight-only quantization of the linear layers on load: int8 (per output channel) or "
-                             "int4 (groups of --quantization-group-size); the LM head is int8 in both (default: none)")
+                        help="quantize the linear layers on load: int8 (weight-only, per output channel), int4 "
+                             "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "
+                             "activations), fp8 (E4M3 weights; on CPU a storage format); the LM head is weight-only int8 "
+                             "in all. Not for a checkpoint from `tokenmill quantize`, which is already quantized "
+                             "(default: none)")
     parser.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=d.quantization_group_size,
-                        help=f"input channels per int4 scale/zero group (default: {d.quantization_group_size})")
+                        help="input channels per int4 scale/zero group; a layer it does not divide takes the largest of "
+                             f"64, 32 that does (default: {d.quantization_group_size})")
+    parser.add_argument("--quantization-algorithm", choices=tuple(QUANTIZATION_ALGORITHMS), default=d.quantization_algorithm,
+                        help="how --quantization chooses the codes: rtn (round-to-nearest), awq or gptq (int4, calibrated), "
+                             "smoothquant (w8a8, calibrated); calibration runs at start-up (default: rtn)")
+    parser.add_argument("--calibration", default=d.calibration,
+                        help="calibration data for awq/gptq/smoothquant: gsm8k, gpl3, or a .txt / .jsonl ('text' field) "
+                             f"file (default: {d.calibration})")
+    parser.add_argument("--calibration-samples", type=int, default=d.calibration_samples,
+                        help=f"calibration windows (default: {d.calibration_samples})")
+    parser.add_argument("--calibration-seq-len", type=int, default=d.calibration_seq_len,
+                        help=f"tokens per calibration window (default: {d.calibration_seq_len})")
+    parser.add_argument("--smoothquant-alpha", type=float, default=d.smoothquant_alpha,
+                        help="smoothquant migration strength in [0, 1] (default: searched per layer)")
     parser.add_argument("--num-threads", type=int, default=d.num_threads,
                         help="CPU threads for torch (default: number of physical cores)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
@@ -33,6 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV-cache block (default: {d.block_size})")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb,
                         help=f"memory for the KV cache in GiB (default: {d.kv_cache_memory_gb})")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                        help="what the KV cache stores: auto = the compute dtype; int8 / fp8 (e4m3) = codes with one "
+                             "float32 scale per token and KV head, quantized on write, ~1.9x the blocks of bf16 for "
+                             "the same --kv-cache-memory-gb (default: auto)")
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                         help="number of KV-cache blocks, overriding --kv-cache-memory-gb")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -142,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.args import add_bench_parsers  # stdlib only; each bench command imports the rest when run
 
     add_bench_parsers(sub)
+    from tokenmill.eval.cli import add_eval_parser  # stdlib only; each eval command imports the engine when run
+
+    add_eval_parser(sub)
+    from tokenmill.quantization.cli import add_quantize_parser  # config only; the command imports the rest when run
+
+    add_quantize_parser(sub)
     return parser
 
 

@@ -13,9 +13,12 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATION_METHODS = ("int8", "int4")  # tokenmill.layers.linear implements them
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "fp8")  # tokenmill.layers.linear implements them
 INT4_GROUP_SIZES = (32, 64, 128)
+# How the quantized weights are chosen: round-to-nearest, or calibrated on data (tokenmill.quantization).
+QUANTIZATION_ALGORITHMS = {"rtn": QUANTIZATION_METHODS, "awq": ("int4",), "gptq": ("int4",), "smoothquant": ("w8a8",)}
 SPECULATIVE_METHODS = ("ngram", "draft")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # tokenmill.layers.attention.kv_quant implements int8 / fp8
 
 
 class ConfigError(ValueError):
@@ -33,11 +36,23 @@ class EngineConfig:
     # (AVX-512 BF16 / AMX), fp32 on other CPUs, bf16 on CUDA. fp16 is refused on CPU.
     dtype: str = "auto"
     device: str = "auto"
-    # Weight-only quantization of the linear layers on load: None (the dtype's weights), "int8"
-    # (per output channel) or "int4" (asymmetric, groups of quantization_group_size input
-    # channels). The LM head is int8 in both.
+    # Quantization of the linear layers on load: None (the dtype's weights), "int8" (weight-only,
+    # per output channel), "int4" (weight-only, asymmetric, groups of quantization_group_size
+    # input channels), "w8a8" (int8 weights and per-token int8 activations, int8 matmul) or
+    # "fp8" (E4M3 weights; E4M3 activations on GPUs with FP8 tensor cores). The LM head is
+    # weight-only int8 in all of them. A checkpoint written by `tokenmill quantize` is
+    # already quantized (leave this None).
     quantization: str | None = None
     quantization_group_size: int = 32
+    # How the codes are chosen: "rtn" (round-to-nearest) or calibrated on
+    # calibration_samples windows of calibration_seq_len tokens of `calibration` ("gsm8k",
+    # "gpl3" or a .txt/.jsonl path): "awq" or "gptq" (int4), "smoothquant" (w8a8, migration
+    # strength smoothquant_alpha, None = searched per layer).
+    quantization_algorithm: str = "rtn"
+    calibration: str = "gsm8k"
+    calibration_samples: int = 64
+    calibration_seq_len: int = 512
+    smoothquant_alpha: float | None = None
     # torch intra-op threads on CPU; None = the number of physical cores.
     num_threads: int | None = None
     # Longest prompt + output a request may have; None = the model's context length.
@@ -45,6 +60,9 @@ class EngineConfig:
     # KV cache: tokens per block, and the memory budget for all blocks of all layers.
     block_size: int = 16
     kv_cache_memory_gb: float = 2.0
+    # What the KV cache stores: "auto" (the compute dtype) or "int8" / "fp8" (e4m3) codes with
+    # one float32 scale per token and KV head, quantized on write: ~1.9x the blocks of bf16.
+    kv_cache_dtype: str = "auto"
     # Overrides the block count computed from kv_cache_memory_gb (tests use it to force preemption).
     num_kv_blocks: int | None = None
     # Scheduler: token budget per engine step and the most requests running at once.
@@ -85,6 +103,15 @@ class EngineConfig:
             raise ConfigError("quantization", f"must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ConfigError("quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.quantization_group_size!r}")
+        if self.quantization_algorithm not in QUANTIZATION_ALGORITHMS:
+            raise ConfigError("quantization_algorithm", f"must be one of {tuple(QUANTIZATION_ALGORITHMS)}, got {self.quantization_algorithm!r}")
+        if self.quantization_algorithm != "rtn" and self.quantization not in QUANTIZATION_ALGORITHMS[self.quantization_algorithm]:
+            raise ConfigError("quantization_algorithm", f"{self.quantization_algorithm} applies to quantization "
+                              f"{' or '.join(QUANTIZATION_ALGORITHMS[self.quantization_algorithm])}, not {self.quantization!r}")
+        _check_min("calibration_samples", self.calibration_samples, 1)
+        _check_min("calibration_seq_len", self.calibration_seq_len, 16)
+        if self.smoothquant_alpha is not None and not 0 <= self.smoothquant_alpha <= 1:
+            raise ConfigError("smoothquant_alpha", f"must be in [0, 1] or None, got {self.smoothquant_alpha!r}")
         _check_min("block_size", self.block_size, 1)
         _check_min("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_min("max_num_seqs", self.max_num_seqs, 1)
@@ -100,6 +127,8 @@ class EngineConfig:
             raise ConfigError("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
         if not self.kv_cache_memory_gb > 0:
             raise ConfigError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError("speculative_method", f"must be one of {SPECULATIVE_METHODS} or None, got {self.speculative_method!r}")
         if (self.speculative_method == "draft") != (self.draft_model is not None):

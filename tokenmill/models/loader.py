@@ -94,6 +94,9 @@ class LoadedCheckpoint:
     config: ModelArchConfig
     tokenizer: PreTrainedTokenizerBase  # chat_template set when the checkpoint has one
     _read_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    # A checkpoint written by `tokenmill quantize`: its config.json's quantization_config. Its
+    # weights() are then the stored tensors as they are (tokenmill.quantization.quantize).
+    quantization: dict | None = None
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor in `[out, in]` layout), one tensor at a time.
@@ -423,6 +426,10 @@ _HF_SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
 def _load_hf_dir(directory: Path) -> LoadedCheckpoint:
     raw = _read_json(directory / "config.json", required=True)
     config = _hf_config(directory, raw)
+    quantization = raw.get("quantization_config")
+    if quantization is not None and quantization.get("quant_method") != "tokenmill":
+        raise ModelLoadError(f"{directory}: quantization_config {quantization.get('quant_method')!r} is not supported "
+                             "(checkpoints written by `tokenmill quantize` are)")
 
     files = _safetensors_files(directory)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -434,7 +441,8 @@ def _load_hf_dir(directory: Path) -> LoadedCheckpoint:
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # a saved copy of the tied embedding
             shapes[name], tensor_file[name] = shape, file
-    _check_tensor_shapes(directory, config, shapes)
+    if quantization is None:
+        _check_tensor_shapes(directory, config, shapes)
 
     def read_weights() -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -443,7 +451,10 @@ def _load_hf_dir(directory: Path) -> LoadedCheckpoint:
             names = [name for name, f in tensor_file.items() if f == file]
             with safe_open(str(file), framework="pt") as handle:
                 for name in names:
-                    yield name, handle.get_tensor(name).to(torch.float32)
+                    tensor = handle.get_tensor(name)
+                    # Quantized records as stored, in fresh (aligned) memory: kernels such as
+                    # _weight_int8pack_mm crash on a tensor at an odd offset of the file.
+                    yield name, tensor.clone() if quantization is not None else tensor.to(torch.float32)
 
     from transformers import AutoTokenizer
 
@@ -451,7 +462,7 @@ def _load_hf_dir(directory: Path) -> LoadedCheckpoint:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:
         raise ModelLoadError(f"{directory}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
-    return LoadedCheckpoint(source=directory, config=config, tokenizer=tokenizer, _read_weights=read_weights)
+    return LoadedCheckpoint(source=directory, config=config, tokenizer=tokenizer, _read_weights=read_weights, quantization=quantization)
 
 
 def _read_json(path: Path, required: bool) -> dict | None:

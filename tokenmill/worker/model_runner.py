@@ -22,18 +22,19 @@ import torch
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
+from tokenmill.layers.attention import AttentionMetadata, DecodeGroup
+from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, indexable
 from tokenmill.layers.linear import convert_linears
 from tokenmill.layers.sampler import Sampler, SamplingRow
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models import build_model
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
 from tokenmill.models.registry import resolve_model
+from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantize_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -68,6 +69,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, device: str, dtype: str, max_model_len: int):
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
+        # KV cache codes: the compute dtype, or int8 / fp8 with a float32 scale per token and head.
+        self.kv_code_dtype = KV_CODE_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        self.kv_quantized = config.kv_cache_dtype in KV_CODE_DTYPES
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         t0 = time.perf_counter()
@@ -99,15 +103,23 @@ class ModelRunner:
         )
 
     def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
-        arch = checkpoint.config
-        model_cls = MODEL_CLASSES.get(arch.architecture)
-        if model_cls is None:
-            raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
-        with torch.device("cpu"):
-            model = model_cls(arch, TorchAttentionBackend(), max_model_len, self.dtype)
+        qconfig = QuantConfig.from_engine(config)
+        if checkpoint.quantization is not None:  # written by `tokenmill quantize`
+            if qconfig is not None:
+                raise ConfigError("quantization", f"{checkpoint.source} is already quantized "
+                                  f"({checkpoint.quantization.get('method')}); leave quantization unset")
+            model = build_model(checkpoint, max_model_len, self.dtype)
+            qconfig = quant_config_from_checkpoint(checkpoint.quantization)
+            load_quantized_weights(model, dict(checkpoint.weights()), qconfig, self.device, self.dtype)
+            return model.eval()
+        model = build_model(checkpoint, max_model_len, torch.float32 if qconfig else self.dtype)
         model.load_weights(checkpoint.weights())
+        if qconfig is not None:
+            # Quantized from the checkpoint's fp32 weights and calibrated in fp32, exactly what
+            # `tokenmill quantize` writes; only then does the rest go to the compute dtype.
+            quantize_model(model.to(device=self.device).eval(), qconfig, checkpoint.tokenizer)
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        convert_linears(model, config.quantization, config.quantization_group_size)
+        convert_linears(model)  # whatever is still an nn.Linear
         return model
 
     def _load_draft(self, config: EngineConfig, target: LoadedCheckpoint, max_model_len: int):
@@ -123,19 +135,24 @@ class ModelRunner:
                               f"tokens, less than max_model_len {max_model_len}")
         return self._load_model(draft, config, max_model_len)
 
-    def _make_caches(self, arch, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _make_caches(self, arch, num_blocks: int, device) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (key, value) caches, or (key codes, value codes, key scales, value scales)
+        when quantized: the layouts of `layers.attention.backend`."""
         shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
         pin = device == "cpu" and self.device.type == "cuda"  # host pool: pinned for fast copies
+        specs = [(shape, self.kv_code_dtype)] * 2 + ([(shape[:-1], torch.float32)] * 2 if self.kv_quantized else [])
         return [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin) for _ in range(2))
+            tuple(torch.zeros(s, dtype=dt, device=device, pin_memory=pin) for s, dt in specs)
             for _ in range(arch.num_hidden_layers)
         ]
 
     def kv_bytes_per_token(self) -> int:
-        """Both models' K and V for one token (the draft model's too, when there is one)."""
+        """Both models' K and V for one token (the draft model's too, when there is one), with
+        the scales of a quantized cache (one float32 per KV head)."""
+        scale_bytes = 4 if self.kv_quantized else 0
         return sum(
-            2 * m.config.num_hidden_layers * m.config.num_key_value_heads * m.config.head_dim * self.dtype.itemsize
-            for m in (self.model, self.draft_model) if m is not None
+            2 * c.num_hidden_layers * c.num_key_value_heads * (c.head_dim * self.kv_code_dtype.itemsize + scale_bytes)
+            for c in (m.config for m in (self.model, self.draft_model) if m is not None)
         )
 
     @property
@@ -152,7 +169,8 @@ class ModelRunner:
         device_ids = torch.tensor([c[0 if out else 1] for c in copies], dtype=torch.long, device=self.device)
         host_ids = torch.tensor([c[1 if out else 0] for c in copies], dtype=torch.long)
         for device_kv, host_kv in zip(self.kv_caches + self.draft_kv_caches, self.host_kv_caches, strict=True):
-            for dev_cache, host_cache in zip(device_kv, host_kv):
+            for dev_cache, host_cache in zip(device_kv, host_kv, strict=True):
+                dev_cache, host_cache = indexable(dev_cache), indexable(host_cache)
                 if out:
                     host_cache.index_copy_(0, host_ids, dev_cache.index_select(0, device_ids).cpu())
                 else:

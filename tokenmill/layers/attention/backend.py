@@ -8,8 +8,13 @@ length, so little work is spent on padding), prefill chunks one sequence at a ti
 may start after earlier context already in the cache: chunked prefill).
 
 KV cache layout per layer: a `(key_cache, value_cache)` pair, each
-`[num_blocks, block_size, num_kv_heads, head_dim]`; slot s is block s // block_size, offset
-s % block_size.
+`[num_blocks, block_size, num_kv_heads, head_dim]` in the compute dtype; or, quantized
+(`kv_cache_dtype` int8 / fp8, see `kv_quant`), `(key_codes, value_codes, key_scales,
+value_scales)`: codes of that shape, one float32 scale per token and KV head
+`[num_blocks, block_size, num_kv_heads]`. Writes quantize; reads of cached context dequantize
+to the compute dtype; a prefill chunk with no earlier context attends to its own
+full-precision K/V. Every tensor is indexed by block along dim 0; slot s is block
+s // block_size, offset s % block_size.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.layers.attention.kv_quant import dequantize_kv, indexable, quantize_kv
 
 
 @dataclass
@@ -51,7 +58,7 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],  # 2 tensors, or 4 when quantized (module docstring)
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], not necessarily contiguous
@@ -62,10 +69,7 @@ class TorchAttentionBackend:
     """Reference backend: plain PyTorch ops, any device, MHA/MQA/GQA."""
 
     def forward(self, query, key, value, kv_cache, meta, scale):
-        key_cache, value_cache = kv_cache
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+        _write_kv(kv_cache, meta.slot_mapping, key, value)
 
         # A step of one part (one decode group, or one prefill chunk: batch-1 decode, a lone
         # prompt) returns that part's result as is, without an output buffer and a copy.
@@ -74,7 +78,7 @@ class TorchAttentionBackend:
         start = 0
         for group in meta.decode_groups:
             end = start + group.num_seqs
-            o = self._decode(query[start:end], key_cache, value_cache, group, scale)
+            o = self._decode(query[start:end], kv_cache, group, scale)
             if single:
                 return o
             out[start:end] = o
@@ -84,8 +88,8 @@ class TorchAttentionBackend:
             if seq_len == q_len:  # no earlier context: attend within the chunk
                 k, v = key[start:end], value[start:end]
             else:
-                k = key_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-                v = value_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+                k, v = _gather(kv_cache, block_ids, query.dtype)
+                k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
             o = self._prefill(query[start:end], k, v, seq_len - q_len, scale)
             if single:
                 return o
@@ -114,18 +118,43 @@ class TorchAttentionBackend:
         return o.flatten(0, 1).transpose(0, 1)
 
     @staticmethod
-    def _decode(q, key_cache, value_cache, group, scale):
+    def _decode(q, kv_cache, group, scale):
         """One query per sequence over its gathered blocks, padded to the group's longest.
 
         The query heads sharing a KV head are folded into the query-length axis (all sit at the
         same position, so no causal mask is needed), which makes GQA a plain batched SDPA."""
         num_seqs, num_heads, head_dim = q.shape
-        _, block_size, num_kv_heads, _ = key_cache.shape
+        _, block_size, num_kv_heads, _ = kv_cache[0].shape
         tables = group.block_tables
         max_len = tables.shape[1] * block_size
-        flat = tables.view(-1)
-        k = key_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim)[:, : group.kv_len].transpose(1, 2)
-        v = value_cache.index_select(0, flat).view(num_seqs, max_len, num_kv_heads, head_dim)[:, : group.kv_len].transpose(1, 2)
+        k, v = _gather(kv_cache, tables.view(-1), q.dtype)
+        k = k.view(num_seqs, max_len, num_kv_heads, head_dim)[:, : group.kv_len].transpose(1, 2)
+        v = v.view(num_seqs, max_len, num_kv_heads, head_dim)[:, : group.kv_len].transpose(1, 2)
         q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def _write_kv(kv_cache, slot_mapping, key, value) -> None:
+    """Store this step's K/V [num_tokens, num_kv_heads, head_dim] at their slots (quantized in a
+    4-tensor cache: K and V together, one set of ops for both)."""
+    if len(kv_cache) == 2:
+        key_cache, value_cache = kv_cache
+        key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+        return
+    key_codes, value_codes, key_scales, value_scales = kv_cache
+    codes, scales = quantize_kv(torch.stack((key, value)), key_codes.dtype)  # [2, n, kv_heads, (head_dim)]
+    for cache, x in zip((key_codes, value_codes, key_scales, value_scales), (*codes, *scales)):
+        indexable(cache).view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, indexable(x))
+
+
+def _gather(kv_cache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks `block_ids`, in order: [len(block_ids), block_size, num_kv_heads,
+    head_dim] each, in the compute dtype `dtype` (dequantized from a 4-tensor cache)."""
+    if len(kv_cache) == 2:
+        key_cache, value_cache = kv_cache
+        return key_cache.index_select(0, block_ids), value_cache.index_select(0, block_ids)
+    key_codes, value_codes, key_scales, value_scales = kv_cache
+    return (dequantize_kv(key_codes.index_select(0, block_ids), key_scales.index_select(0, block_ids), dtype),
+            dequantize_kv(value_codes.index_select(0, block_ids), value_scales.index_select(0, block_ids), dtype))

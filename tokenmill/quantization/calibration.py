@@ -1,0 +1,175 @@
+"""Calibration: what the linear layers of a model see on real text.
+
+`calibration_sequences` turns a data source (GSM8K problems with their worked answers, GPL-3,
+or a user's text file) into fixed-length token windows, deterministically. `collect_stats` runs
+the model over them — its own prefill forwards with a scratch KV cache, no engine — and records,
+for every linear layer's input x (rows = tokens), what the calibrated methods need:
+
+- `hessian` = mean of x xᵀ [K, K]: the output error of a weight change ΔW over the calibration
+  tokens is tr(ΔW H ΔWᵀ), so AWQ's scale search and GPTQ work from H alone;
+- `abs_mean`, `abs_max` per input channel (AWQ's activation salience, SmoothQuant's outlier range);
+- `samples`: a fixed random subset of rows, for searches that quantize the activations
+  themselves (SmoothQuant's α).
+
+The Hessians of all layers may not fit in memory for a large model (a 1.5B model needs ~9 GB in
+fp32); they are collected `max_stats_gb` at a time, one pass over the data per share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill.eval.perplexity import GPL3_PATH
+from tokenmill.layers.attention import AttentionMetadata
+
+_log = logging.getLogger(__name__)
+
+CALIBRATION_SOURCES = ("gsm8k", "gpl3")  # or a path to a .txt / .jsonl file
+
+
+@dataclass
+class LinearStats:
+    hessian: torch.Tensor  # [K, K] fp32, mean of x xᵀ over calibration tokens
+    abs_mean: torch.Tensor  # [K]
+    abs_max: torch.Tensor  # [K]
+    samples: torch.Tensor  # [<= sample_rows, K] fp32
+    num_rows: int
+
+
+def calibration_texts(source: str, exclude_gsm8k: set[int] = frozenset()) -> list[str]:
+    """The documents of a calibration source. gsm8k: test-set problems with their worked
+    solutions, except the evaluation few-shot examples and the indices in `exclude_gsm8k` (the
+    sample an accuracy report evaluates)."""
+    if source == "gsm8k":
+        from tokenmill.eval.gsm8k import fewshot_examples, load_all_problems
+
+        problems = load_all_problems()
+        exclude = set(exclude_gsm8k) | {p.index for p in fewshot_examples(problems)}
+        return [f"{p.question}\n{p.solution}\nThe answer is {p.answer}." for p in problems if p.index not in exclude]
+    if source == "gpl3":
+        if not GPL3_PATH.is_file():
+            raise ValueError(f"calibration: {GPL3_PATH} not found (Debian's common-licenses package has it)")
+        return [GPL3_PATH.read_text()]
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ValueError(f"calibration: {source!r} is neither one of {', '.join(CALIBRATION_SOURCES)} nor a file")
+    if path.suffix == ".jsonl":
+        docs = []
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                docs.append(record["text"] if isinstance(record, dict) else str(record))
+        return docs
+    return [path.read_text()]
+
+
+def calibration_sequences(texts: list[str], tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> list[list[int]]:
+    """`num_samples` windows of `seq_len` tokens cut from the documents joined end to end,
+    chosen with a seeded generator (fewer when the text is short)."""
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text + "\n\n", add_special_tokens=False)
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    if not windows:
+        raise ValueError(f"calibration: {len(ids)} tokens of text, not enough for one window of {seq_len}")
+    if len(windows) < num_samples:
+        _log.warning("calibration: only %d windows of %d tokens (asked for %d)", len(windows), seq_len, num_samples)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
+    return [windows[i] for i in sorted(order[:num_samples].tolist())]
+
+
+class _Accumulator:
+    def __init__(self, in_features: int, sample_rows_per_batch: int, generator: torch.Generator):
+        k = in_features
+        self.xtx = torch.zeros(k, k, dtype=torch.float64)
+        self.abs_sum = torch.zeros(k, dtype=torch.float64)
+        self.abs_max = torch.zeros(k)
+        self.samples: list[torch.Tensor] = []
+        self.rows = 0
+        self.per_batch = sample_rows_per_batch
+        self.generator = generator
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
+        self.xtx += (x.t() @ x).double()
+        self.abs_sum += x.abs().sum(0).double()
+        self.abs_max = torch.maximum(self.abs_max, x.abs().amax(0))
+        self.rows += x.shape[0]
+        pick = torch.randperm(x.shape[0], generator=self.generator)[: self.per_batch]
+        self.samples.append(x[pick.sort().values])
+
+    def stats(self) -> LinearStats:
+        n = max(self.rows, 1)
+        return LinearStats((self.xtx / n).float(), (self.abs_sum / n).float(), self.abs_max, torch.cat(self.samples), self.rows)
+
+
+@torch.inference_mode()
+def collect_stats(model: nn.Module, sequences: list[list[int]], names: list[str], sample_rows: int = 512,
+                  batch_tokens: int = 2048, max_stats_gb: float = 2.0) -> dict[str, LinearStats]:
+    """Statistics of the inputs of the `nn.Linear` modules `names` of `model` (a
+    `LlamaForCausalLM` with plain nn.Linear layers) over `sequences`."""
+    modules = dict(model.named_modules())
+    cost = {name: modules[name].in_features ** 2 * 8 for name in names}  # fp64 x xᵀ
+    shares: list[list[str]] = [[]]
+    for name in names:
+        if shares[-1] and sum(cost[n] for n in shares[-1]) + cost[name] > max_stats_gb * 2**30:
+            shares.append([])
+        shares[-1].append(name)
+    batches = _batches(sequences, batch_tokens)
+    stats: dict[str, LinearStats] = {}
+    for i, share in enumerate(shares):
+        if len(shares) > 1:
+            _log.info("calibration pass %d of %d (%d linear layers)", i + 1, len(shares), len(share))
+        generator = torch.Generator().manual_seed(i)
+        per_batch = math.ceil(sample_rows / len(batches))
+        accs = {name: _Accumulator(modules[name].in_features, per_batch, generator) for name in share}
+        hooks = [modules[name].register_forward_pre_hook(lambda _m, args, acc=accs[name]: acc.add(args[0])) for name in share]
+        try:
+            for batch in batches:
+                _prefill(model, batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for name, acc in accs.items():
+            stats[name] = acc.stats()
+            stats[name].samples = stats[name].samples[:sample_rows]
+    return stats
+
+
+def _batches(sequences: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:
+    batches: list[list[list[int]]] = [[]]
+    for seq in sequences:
+        if batches[-1] and sum(map(len, batches[-1])) + len(seq) > batch_tokens:
+            batches.append([])
+        batches[-1].append(seq)
+    return batches
+
+
+def _prefill(model: nn.Module, sequences: list[list[int]], block_size: int = 16) -> None:
+    """One forward over whole sequences, each attending only to itself (a scratch KV cache)."""
+    config = model.config
+    param = next(model.parameters())
+    lengths = [len(s) for s in sequences]
+    num_tokens = sum(lengths)
+    num_blocks = math.ceil(num_tokens / block_size)
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.empty(shape, dtype=param.dtype, device=param.device), torch.empty(shape, dtype=param.dtype, device=param.device))
+              for _ in range(config.num_hidden_layers)]
+    input_ids = torch.tensor([t for s in sequences for t in s], device=param.device)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(param.device)
+    meta = AttentionMetadata(
+        num_decodes=0,
+        slot_mapping=torch.arange(num_tokens, device=param.device),
+        decode_groups=[],
+        prefill_query_lens=lengths,
+        prefill_seq_lens=lengths,
+        prefill_block_ids=[torch.empty(0, dtype=torch.long)] * len(lengths),  # no earlier context is read
+    )
+    model(input_ids, positions, caches, meta)

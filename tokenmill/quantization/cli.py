@@ -1,0 +1,120 @@
+"""`tokenmill quantize MODEL --method M [--algorithm A] [--calibration DATA] -o DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from tokenmill.config import INT4_GROUP_SIZES, QUANTIZATION_ALGORITHMS, QUANTIZATION_METHODS, EngineConfig
+
+_log = logging.getLogger(__name__)
+_D = EngineConfig()
+
+
+def add_quantize_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="quantize a model's linear layers (calibrated or round-to-nearest), save the "
+                                        "checkpoint and write an accuracy report next to it",
+                       description="Writes DIR (config.json, tokenizer, model.safetensors) that `tokenmill serve DIR` "
+                                   "and LLM(DIR) load, then measures the original and the quantized model side by side "
+                                   "(GPL-3 perplexity, GSM8K exact match, size, decode tok/s) into "
+                                   "DIR/accuracy_report.{md,json}.")
+    p.add_argument("model", help="model alias, .gguf file or Hugging Face directory")
+    p.add_argument("-o", "--output", required=True, help="directory to write the quantized checkpoint to")
+    p.add_argument("--method", required=True, choices=QUANTIZATION_METHODS,
+                   help="int8: weight-only, per output channel; int4: weight-only, asymmetric groups; w8a8: int8 weights "
+                        "and per-token int8 activations; fp8: E4M3 weights (and activations on FP8 GPUs)")
+    p.add_argument("--algorithm", default="rtn", choices=tuple(QUANTIZATION_ALGORITHMS),
+                   help="rtn: round-to-nearest (no data); awq: activation-aware scales + clipping (int4); gptq: "
+                        "Hessian-based error compensation (int4); smoothquant: activation outliers moved into the "
+                        "weights (w8a8) (default: rtn)")
+    p.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, default=_D.quantization_group_size,
+                   help="int4: input channels per scale/zero group; a layer it does not divide takes the largest of "
+                        f"64, 32 that does (default: {_D.quantization_group_size})")
+    p.add_argument("--calibration", default=_D.calibration,
+                   help="calibration data: gsm8k (test problems with worked answers, minus the report's sample), "
+                        f"gpl3, or a .txt / .jsonl ('text' field) file (default: {_D.calibration})")
+    p.add_argument("--calibration-samples", type=int, default=_D.calibration_samples,
+                   help=f"calibration windows (default: {_D.calibration_samples})")
+    p.add_argument("--calibration-seq-len", type=int, default=_D.calibration_seq_len,
+                   help=f"tokens per calibration window (default: {_D.calibration_seq_len})")
+    p.add_argument("--smoothquant-alpha", type=float, default=None,
+                   help="smoothquant: migration strength in [0, 1] (default: searched per layer)")
+    p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype of the tensors left unquantized (embeddings, norms) in the checkpoint (default: bfloat16)")
+    p.add_argument("--no-report", dest="report", action="store_false", help="only write the checkpoint")
+    p.add_argument("--report-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype of both models in the report (default: auto)")
+    p.add_argument("--gsm8k-problems", type=int, default=100,
+                   help="GSM8K problems in the report, 0 = skip (default: 100)")
+    p.add_argument("--gsm8k-max-tokens", type=int, default=256, help="answer length limit in the report (default: 256)")
+    p.add_argument("--ppl-max-windows", type=int, default=None,
+                   help="score only the first N 512-token windows of GPL-3 in the report (default: all)")
+    p.set_defaults(func=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenmill.models import build_model
+    from tokenmill.models.loader import load_checkpoint
+    from tokenmill.models.registry import resolve_model
+    from tokenmill.quantization.quantize import QuantConfig, linear_names, quantize_model, save_quantized
+    from tokenmill.quantization.report import ReportSettings, measure, write_report
+
+    # The engine config's checks name the bad field (method/algorithm pairs, ranges).
+    EngineConfig(quantization=args.method, quantization_group_size=args.group_size, quantization_algorithm=args.algorithm,
+                 calibration=args.calibration, calibration_samples=args.calibration_samples,
+                 calibration_seq_len=args.calibration_seq_len, smoothquant_alpha=args.smoothquant_alpha)
+    source = resolve_model(args.model)
+    checkpoint = load_checkpoint(source)
+    if checkpoint.quantization is not None:
+        raise ValueError(f"{source} is already quantized ({checkpoint.quantization.get('method')})")
+    qconfig = QuantConfig(method=args.method, group_size=args.group_size, algorithm=args.algorithm,
+                          calibration=args.calibration, calibration_samples=args.calibration_samples,
+                          calibration_seq_len=args.calibration_seq_len, smoothquant_alpha=args.smoothquant_alpha)
+    settings = ReportSettings(dtype=args.report_dtype, ppl_max_windows=args.ppl_max_windows,
+                              gsm8k_problems=args.gsm8k_problems if args.report else 0, gsm8k_max_tokens=args.gsm8k_max_tokens)
+    problems, exclude = _report_problems(settings.gsm8k_problems)
+
+    t0 = time.perf_counter()
+    model = build_model(checkpoint, args.calibration_seq_len, torch.float32)
+    model.load_weights(checkpoint.weights())
+    model.eval()
+    linears = set(linear_names(model))
+    save_dtype = getattr(torch, args.save_dtype)
+    state = {n: p.detach().to(save_dtype, copy=True) for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
+    biases = {n: model.get_submodule(n).bias.detach().clone() for n in linears if model.get_submodule(n).bias is not None}
+    records = quantize_model(model, qconfig, checkpoint.tokenizer, exclude_gsm8k=exclude)
+    out = Path(args.output)
+    extra = {"quantize_seconds": round(time.perf_counter() - t0, 1)}
+    if qconfig.algorithm == "rtn":
+        extra = {}
+    save_quantized(out, model, state, records, biases, qconfig, checkpoint, extra)
+    print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    del model, state, records
+    if not args.report:
+        return 0
+
+    label = f"{args.method} {args.algorithm}" + (f" g{args.group_size}" if args.method == "int4" else "")
+    rows = [
+        measure(f"original ({source.name})", str(source), source.stat().st_size, settings, problems),
+        measure(label, str(out), (out / "model.safetensors").stat().st_size, settings, problems),
+    ]
+    header = {"source": str(source), "method": label, "dtype": settings.dtype, "gsm8k_problems": len(problems),
+              "gsm8k_max_tokens": settings.gsm8k_max_tokens, "ppl_windows": settings.ppl_max_windows or "all",
+              "calibration": None if args.algorithm == "rtn" else
+              f"{args.calibration}, {args.calibration_samples} x {args.calibration_seq_len} tokens"}
+    print(write_report(out, header, rows))
+    return 0
+
+
+def _report_problems(num_problems: int):
+    """The report's GSM8K sample, and its test-set indices (calibration must not see them)."""
+    if num_problems <= 0:
+        return [], set()
+    from tokenmill.eval.gsm8k import load_gsm8k
+
+    problems = load_gsm8k(num_problems)
+    return problems, {p.index for p in problems}

@@ -1,0 +1,117 @@
+"""Quantized weight formats: round-to-nearest quantizers, their inverses, and the portable tensors
+a quantized linear is stored as (in memory before packing for a kernel, and on disk).
+
+A format's record is a dict of tensors, the same for every way of choosing its codes (plain
+round-to-nearest here, AWQ / GPTQ / SmoothQuant in their modules):
+
+| method | record |
+|---|---|
+| int8 | codes int8 [N, K], scales fp32 [N]: w ≈ codes * scale of its row (symmetric, per output channel) |
+| int4 | codes uint8 [N, K/2] (two 4-bit codes 0..15 per byte, even column in the low nibble), scales and mins fp32 [N, K/g]: w ≈ code * scale + min of its group of g input channels |
+| w8a8 | as int8; activations are quantized per token (per row) at run time |
+| fp8  | codes float8_e4m3fn [N, K], scales fp32 [N]: w ≈ codes * scale of its row |
+
+Any record may carry `input_scale` fp32 [K]: the layer computes with x * input_scale (AWQ's
+and SmoothQuant's per-input-channel scaling, whose inverse is folded into the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: returns (codes int8 [N, K], scales fp32 [N]);
+    weight ≈ codes * scales[:, None]."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def int4_group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and min of asymmetric 4-bit codes spanning each row of `w` [..., g] from its min to its max."""
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    return ((hi - lo) / 15).clamp(min=1e-12), lo
+
+
+def int4_codes(w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The nearest codes 0..15 of `w` [..., g] on the grid code * scale + min ([...] each)."""
+    return torch.round((w - mins[..., None]) / scales[..., None]).clamp(0, 15)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 by round-to-nearest: returns (codes int32 [N, K] in 0..15,
+    scales fp32 [N, K / g], mins fp32 [N, K / g]) with g = layer_group_size(K, group_size);
+    weight ≈ codes * scale + min, group by group."""
+    n, k = weight.shape
+    group_size = layer_group_size(k, group_size)
+    w = weight.float().view(n, k // group_size, group_size)
+    scales, mins = int4_group_params(w)
+    return int4_codes(w, scales, mins).to(torch.int32).view(n, k), scales, mins
+
+
+def layer_group_size(in_features: int, group_size: int) -> int:
+    """The int4 group size of a layer with `in_features` inputs: `group_size`, or the largest
+    of 64, 32 below it that divides the inputs (SmolLM2's 576 = 4.5 x 128 takes 64; the int4
+    kernel needs a power of two). Raises ValueError if none does."""
+    for g in (group_size, 64, 32):
+        if g <= group_size and in_features % g == 0:
+            return g
+    raise ValueError(f"no int4 group size <= {group_size} divides a linear layer's {in_features} input features")
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    groups = scales.shape[1]
+    w = codes.view(n, groups, k // groups).float() * scales[..., None] + mins[..., None]
+    return w.view(n, k)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 -> uint8 [N, K/2], even column in the low nibble."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> int32 codes [N, K]."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(1).to(torch.int32)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 with one scale per output channel (the row's absmax maps to 448): returns
+    (codes float8_e4m3fn [N, K], scales fp32 [N]); weight ≈ codes * scales[:, None]."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 per row (per token): returns (codes int8, scales fp32 [rows, 1])."""
+    scales = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127
+    return torch.round(x.float() / scales).clamp(-127, 127).to(torch.int8), scales
+
+
+def record_from_rtn(method: str, weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """The round-to-nearest record of `weight` [N, K] (see the module docstring)."""
+    if method in ("int8", "w8a8"):
+        codes, scales = quantize_int8(weight)
+        return {"codes": codes, "scales": scales}
+    if method == "int4":
+        codes, scales, mins = quantize_int4(weight, group_size)
+        return {"codes": pack_int4(codes), "scales": scales, "mins": mins}
+    if method == "fp8":
+        codes, scales = quantize_fp8(weight)
+        return {"codes": codes, "scales": scales}
+    raise ValueError(f"unknown quantization method {method!r}")
+
+
+def dequantize_record(method: str, record: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 weight [N, K] a record stands for (input_scale not applied: the layer computes
+    (x * input_scale) @ this.T)."""
+    if method == "int4":
+        return dequantize_int4(unpack_int4(record["codes"]), record["scales"], record["mins"])
+    return record["codes"].float() * record["scales"][:, None]

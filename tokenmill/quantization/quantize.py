@@ -1,0 +1,223 @@
+"""Quantizing a model's linear layers, and the quantized checkpoint format.
+
+Every method is a module swap: each `nn.Linear` of the model is replaced by the layer of its
+method (`tokenmill.layers.linear`), built from a record of tensors (`formats`). Round-to-nearest
+makes the record from the weight alone; the calibrated algorithms from the weight and the
+statistics of that layer's inputs on calibration data (`calibration.collect_stats`). The model
+code never branches on any of it.
+
+A quantized checkpoint (written by `tokenmill quantize`, read by `load_checkpoint`) is a
+directory: `config.json` (the architecture in Hugging Face's keys plus a `quantization_config`
+with `quant_method: "tokenmill"`, the method, group size, algorithm and calibration), the
+tokenizer files, and `model.safetensors` holding the model's own parameter names for
+everything that is not a linear layer and `<linear>.<key>` for each record's tensors (and bias).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill.config import EngineConfig
+from tokenmill.layers.linear import DenseLinear, build_linear
+from tokenmill.quantization import calibration
+from tokenmill.quantization.formats import record_from_rtn
+
+_log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+LM_HEAD = "lm_head"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # QUANTIZATION_METHODS
+    group_size: int = 32
+    algorithm: str = "rtn"  # QUANTIZATION_ALGORITHMS
+    lm_head: str | None = "int8"  # the LM head's own method (None: the dtype's weights)
+    calibration: str = "gsm8k"
+    calibration_samples: int = 64
+    calibration_seq_len: int = 512
+    smoothquant_alpha: float | None = None
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig) -> QuantConfig | None:
+        if config.quantization is None:
+            return None
+        return cls(
+            method=config.quantization, group_size=config.quantization_group_size, algorithm=config.quantization_algorithm,
+            calibration=config.calibration, calibration_samples=config.calibration_samples,
+            calibration_seq_len=config.calibration_seq_len, smoothquant_alpha=config.smoothquant_alpha,
+        )
+
+    def method_of(self, linear_name: str) -> str | None:
+        return self.lm_head if linear_name == LM_HEAD else self.method
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclude_gsm8k: set[int] = frozenset()
+                   ) -> dict[str, dict[str, torch.Tensor]]:
+    """Swap every nn.Linear of `model` (loaded, on its device; fp32 for the best records) that
+    has a method for its quantized layer, calibrating first when the algorithm needs it (then
+    `tokenizer` is required). Returns the records by linear name (what a checkpoint stores).
+    The quantized layers keep their records as they are when the model is later cast to the
+    compute dtype (only their bias follows)."""
+    names = linear_names(model)
+    stats = None
+    if qconfig.algorithm != "rtn":
+        t0 = time.perf_counter()
+        texts = calibration.calibration_texts(qconfig.calibration, exclude_gsm8k)
+        sequences = calibration.calibration_sequences(texts, tokenizer, qconfig.calibration_samples, qconfig.calibration_seq_len)
+        calibrated = [n for n in names if qconfig.method_of(n) == qconfig.method and n != LM_HEAD]
+        stats = calibration.collect_stats(model, sequences, calibrated)
+        _log.info("calibration: %d windows of %d tokens from %s, %d layers, %.1f s", len(sequences),
+                  qconfig.calibration_seq_len, qconfig.calibration, len(calibrated), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    records = {}
+    for name in names:
+        linear = model.get_submodule(name)
+        bias = None if linear.bias is None else linear.bias.detach()
+        method = qconfig.method_of(name)
+        if method is None:
+            continue  # stays an nn.Linear (`convert_linears` makes it dense in the compute dtype)
+        layer_stats = stats.get(name) if stats else None
+        record = _record(method, qconfig, linear.weight.detach(), layer_stats)
+        records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
+        _replace(model, name, build_linear(method, records[name], bias))
+    _log.info("quantized %d linear layers (%s, %s) in %.1f s", len(records), qconfig.method, qconfig.algorithm, time.perf_counter() - t0)
+    return records
+
+
+def _record(method: str, qconfig: QuantConfig, weight: torch.Tensor, stats) -> dict[str, torch.Tensor]:
+    if stats is None or qconfig.algorithm == "rtn":
+        return record_from_rtn(method, weight, qconfig.group_size)
+    if qconfig.algorithm == "awq":
+        from tokenmill.quantization.awq import awq_int4
+
+        return awq_int4(weight, stats, qconfig.group_size)
+    if qconfig.algorithm == "gptq":
+        from tokenmill.quantization.gptq import gptq_int4
+
+        return gptq_int4(weight, stats, qconfig.group_size)
+    if qconfig.algorithm == "smoothquant":
+        from tokenmill.quantization.smoothquant import smoothquant_w8a8
+
+        return smoothquant_w8a8(weight, stats, qconfig.smoothquant_alpha)
+    raise ValueError(f"unknown quantization algorithm {qconfig.algorithm!r}")
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+# --- checkpoint ---------------------------------------------------------------------------
+
+def save_quantized(directory: Path, model: nn.Module, dense_state: dict[str, torch.Tensor],
+                   records: dict[str, dict[str, torch.Tensor]], biases: dict[str, torch.Tensor],
+                   qconfig: QuantConfig, checkpoint, extra: dict | None = None) -> None:
+    """Write a quantized checkpoint. `dense_state`: the model's non-linear parameters (and the
+    weights of linears left dense) by name, taken before quantization; `biases` by linear name."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in dense_state.items()}
+    for linear, record in records.items():
+        for key, t in record.items():
+            tensors[f"{linear}.{key}"] = t.detach().cpu().contiguous()
+        if linear in biases:
+            tensors[f"{linear}.bias"] = biases[linear].detach().cpu().float().contiguous()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = _hf_config_dict(checkpoint.config)
+    config["quantization_config"] = {
+        "quant_method": "tokenmill", "format_version": FORMAT_VERSION, **dataclasses.asdict(qconfig),
+        "source": str(checkpoint.source), **(extra or {}),
+    }
+    if qconfig.algorithm == "rtn":
+        for key in ("calibration", "calibration_samples", "calibration_seq_len", "smoothquant_alpha"):
+            config["quantization_config"].pop(key)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    checkpoint.tokenizer.save_pretrained(str(directory))
+
+
+def _hf_config_dict(arch) -> dict:
+    return {
+        "model_type": arch.architecture,
+        "architectures": ["Qwen2ForCausalLM" if arch.architecture == "qwen2" else "LlamaForCausalLM"],
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": arch.rope_scaling,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "attention_bias": arch.attention_bias,
+        "bos_token_id": arch.bos_token_id,
+        "eos_token_id": list(arch.eos_token_ids),
+    }
+
+
+def quant_config_from_checkpoint(raw: dict) -> QuantConfig:
+    fields = {f.name for f in dataclasses.fields(QuantConfig)}
+    return QuantConfig(**{k: v for k, v in raw.items() if k in fields})
+
+
+@torch.no_grad()
+def load_quantized_weights(model: nn.Module, tensors: dict[str, torch.Tensor], qconfig: QuantConfig,
+                           device: torch.device, dtype: torch.dtype) -> None:
+    """Fill `model` (built on the CPU, plain nn.Linear layers) from a quantized checkpoint's
+    tensors and swap in the quantized layers; the model ends on `device` in `dtype`.
+    Raises ValueError naming any missing or unexpected tensor."""
+    used: set[str] = set()
+    linears = linear_names(model)
+    linear_params = {f"{n}.{p}" for n in linears for p in ("weight", "bias")}
+    for name, param in model.named_parameters():
+        if name in linear_params:
+            continue
+        if name not in tensors:
+            raise ValueError(f"quantized checkpoint is missing {name!r}")
+        if tensors[name].shape != param.shape:
+            raise ValueError(f"quantized checkpoint tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}")
+        param.copy_(tensors[name])
+        used.add(name)
+    model.to(device=device, dtype=dtype)
+    for name in linears:
+        linear = model.get_submodule(name)
+        method = qconfig.method_of(name)
+        bias = tensors.get(f"{name}.bias")
+        if bias is not None:
+            used.add(f"{name}.bias")
+            bias = bias.to(device=device, dtype=dtype)
+        if method is None:
+            weight = linear.weight  # tied to the embedding, or stored dense
+            if f"{name}.weight" in tensors:
+                weight = tensors[f"{name}.weight"].to(device=device, dtype=dtype)
+                used.add(f"{name}.weight")
+            _replace(model, name, DenseLinear(weight.detach(), bias))
+            continue
+        prefix = f"{name}."
+        record = {k[len(prefix):]: v.to(device) for k, v in tensors.items() if k.startswith(prefix) and k != f"{name}.bias"}
+        if "codes" not in record:
+            raise ValueError(f"quantized checkpoint has no codes for linear layer {name!r}")
+        used.update(prefix + k for k in record)
+        _replace(model, name, build_linear(method, record, bias))
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise ValueError(f"quantized checkpoint has tensors with no place in the model: {unexpected[:8]}")
