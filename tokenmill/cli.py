@@ -12,6 +12,7 @@ from tokenmill.config import (
     EngineConfig,
 )
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
+from tokenmill.quantization.cli import add_calibration_args, add_quantize_parser
 
 _DEFAULTS = EngineConfig()
 
@@ -36,15 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization-algorithm", choices=tuple(QUANTIZATION_ALGORITHMS), default=d.quantization_algorithm,
                         help="how --quantization chooses the codes: rtn (round-to-nearest), awq or gptq (int4, calibrated), "
                              "smoothquant (w8a8, calibrated); calibration runs at start-up (default: rtn)")
-    parser.add_argument("--calibration", default=d.calibration,
-                        help="calibration data for awq/gptq/smoothquant: gsm8k, gpl3, or a .txt / .jsonl ('text' field) "
-                             f"file (default: {d.calibration})")
-    parser.add_argument("--calibration-samples", type=int, default=d.calibration_samples,
-                        help=f"calibration windows (default: {d.calibration_samples})")
-    parser.add_argument("--calibration-seq-len", type=int, default=d.calibration_seq_len,
-                        help=f"tokens per calibration window (default: {d.calibration_seq_len})")
-    parser.add_argument("--smoothquant-alpha", type=float, default=d.smoothquant_alpha,
-                        help="smoothquant migration strength in [0, 1] (default: searched per layer)")
+    add_calibration_args(parser)
     parser.add_argument("--num-threads", type=int, default=d.num_threads,
                         help="CPU threads for torch (default: number of physical cores)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
@@ -168,9 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.eval.cli import add_eval_parser  # stdlib only; each eval command imports the engine when run
 
     add_eval_parser(sub)
-    from tokenmill.quantization.cli import add_quantize_parser  # config only; the command imports the rest when run
-
-    add_quantize_parser(sub)
+    add_quantize_parser(sub)  # config only; the command imports the rest when run
     return parser
 
 

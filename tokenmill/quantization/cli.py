@@ -13,6 +13,20 @@ _log = logging.getLogger(__name__)
 _D = EngineConfig()
 
 
+def add_calibration_args(parser) -> None:
+    """The calibration flags, the same for `tokenmill quantize` and for quantizing on load."""
+    parser.add_argument("--calibration", default=_D.calibration,
+                        help="calibration data for awq/gptq/smoothquant: gsm8k (test problems with worked solutions, "
+                             "minus the accuracy report's sample), gpl3, or a .txt / .jsonl ('text' field) file "
+                             f"(default: {_D.calibration})")
+    parser.add_argument("--calibration-samples", type=int, default=_D.calibration_samples,
+                        help=f"calibration windows (default: {_D.calibration_samples})")
+    parser.add_argument("--calibration-seq-len", type=int, default=_D.calibration_seq_len,
+                        help=f"tokens per calibration window (default: {_D.calibration_seq_len})")
+    parser.add_argument("--smoothquant-alpha", type=float, default=_D.smoothquant_alpha,
+                        help="smoothquant migration strength in [0, 1] (default: searched per layer)")
+
+
 def add_quantize_parser(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a model's linear layers (calibrated or round-to-nearest), save the "
                                         "checkpoint and write an accuracy report next to it",
@@ -32,15 +46,7 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, default=_D.quantization_group_size,
                    help="int4: input channels per scale/zero group; a layer it does not divide takes the largest of "
                         f"64, 32 that does (default: {_D.quantization_group_size})")
-    p.add_argument("--calibration", default=_D.calibration,
-                   help="calibration data: gsm8k (test problems with worked answers, minus the report's sample), "
-                        f"gpl3, or a .txt / .jsonl ('text' field) file (default: {_D.calibration})")
-    p.add_argument("--calibration-samples", type=int, default=_D.calibration_samples,
-                   help=f"calibration windows (default: {_D.calibration_samples})")
-    p.add_argument("--calibration-seq-len", type=int, default=_D.calibration_seq_len,
-                   help=f"tokens per calibration window (default: {_D.calibration_seq_len})")
-    p.add_argument("--smoothquant-alpha", type=float, default=None,
-                   help="smoothquant: migration strength in [0, 1] (default: searched per layer)")
+    add_calibration_args(p)
     p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of the tensors left unquantized (embeddings, norms) in the checkpoint (default: bfloat16)")
     p.add_argument("--no-report", dest="report", action="store_false", help="only write the checkpoint")
@@ -63,17 +69,15 @@ def run_quantize(args: argparse.Namespace) -> int:
     from tokenmill.quantization.quantize import QuantConfig, linear_names, quantize_model, save_quantized
     from tokenmill.quantization.report import ReportSettings, measure, write_report
 
-    # The engine config's checks name the bad field (method/algorithm pairs, ranges).
-    EngineConfig(quantization=args.method, quantization_group_size=args.group_size, quantization_algorithm=args.algorithm,
-                 calibration=args.calibration, calibration_samples=args.calibration_samples,
-                 calibration_seq_len=args.calibration_seq_len, smoothquant_alpha=args.smoothquant_alpha)
+    # Through the engine config, whose checks name the bad field (method/algorithm pairs, ranges).
+    qconfig = QuantConfig.from_engine(EngineConfig(
+        quantization=args.method, quantization_group_size=args.group_size, quantization_algorithm=args.algorithm,
+        calibration=args.calibration, calibration_samples=args.calibration_samples,
+        calibration_seq_len=args.calibration_seq_len, smoothquant_alpha=args.smoothquant_alpha))
     source = resolve_model(args.model)
     checkpoint = load_checkpoint(source)
     if checkpoint.quantization is not None:
         raise ValueError(f"{source} is already quantized ({checkpoint.quantization.get('method')})")
-    qconfig = QuantConfig(method=args.method, group_size=args.group_size, algorithm=args.algorithm,
-                          calibration=args.calibration, calibration_samples=args.calibration_samples,
-                          calibration_seq_len=args.calibration_seq_len, smoothquant_alpha=args.smoothquant_alpha)
     settings = ReportSettings(dtype=args.report_dtype, ppl_max_windows=args.ppl_max_windows,
                               gsm8k_problems=args.gsm8k_problems if args.report else 0, gsm8k_max_tokens=args.gsm8k_max_tokens)
     problems, exclude = _report_problems(settings.gsm8k_problems)
@@ -88,10 +92,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     biases = {n: model.get_submodule(n).bias.detach().clone() for n in linears if model.get_submodule(n).bias is not None}
     records = quantize_model(model, qconfig, checkpoint.tokenizer, exclude_gsm8k=exclude)
     out = Path(args.output)
-    extra = {"quantize_seconds": round(time.perf_counter() - t0, 1)}
-    if qconfig.algorithm == "rtn":
-        extra = {}
-    save_quantized(out, model, state, records, biases, qconfig, checkpoint, extra)
+    extra = {} if qconfig.algorithm == "rtn" else {"quantize_seconds": round(time.perf_counter() - t0, 1)}
+    save_quantized(out, state, records, biases, qconfig, checkpoint, extra)
     print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     del model, state, records
     if not args.report:

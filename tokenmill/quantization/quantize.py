@@ -123,7 +123,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 # --- checkpoint ---------------------------------------------------------------------------
 
-def save_quantized(directory: Path, model: nn.Module, dense_state: dict[str, torch.Tensor],
+def save_quantized(directory: Path, dense_state: dict[str, torch.Tensor],
                    records: dict[str, dict[str, torch.Tensor]], biases: dict[str, torch.Tensor],
                    qconfig: QuantConfig, checkpoint, extra: dict | None = None) -> None:
     """Write a quantized checkpoint. `dense_state`: the model's non-linear parameters (and the
