@@ -6,6 +6,11 @@ which puts this directory on the import path).
 - The Hugging Face transformers reference: the same GGUF file loaded with `from_pretrained`,
   static left-padded batches through `generate`.
 - llama.cpp's `llama-bench`, run and parsed.
+- The model a script measures: `--model`, or `--synthetic NAME` (random weights in the shape of a
+  real model, written as a Hugging Face directory: for speed measurements where the real file
+  cannot be had, e.g. on a GPU machine that reaches no package index).
+- The device: its copy bandwidth, the bytes of a model's tensors, optional engine knobs
+  (attention backend, CUDA graphs) passed only when this tokenmill's EngineConfig has them.
 - Machine info, the CPU time other processes use while a section runs, a plain-text table, and
   the JSON report every script writes.
 """
@@ -16,6 +21,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -78,7 +84,7 @@ def config_label(name: str, dtype: str) -> str:
 # -- Hugging Face transformers --------------------------------------------------------------------
 
 
-def load_hf(model_path: Path, dtype: str):
+def load_hf(model_path: Path, dtype: str, device: str = "cpu"):
     import torch
     import transformers
 
@@ -87,7 +93,7 @@ def load_hf(model_path: Path, dtype: str):
     kwargs = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
     directory = model_path.parent if model_path.suffix == ".gguf" else model_path
     model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype), **kwargs)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def hf_pad_id(model, tokenizer) -> int:
@@ -109,8 +115,8 @@ def hf_generate_batch(model, prompts: list[list[int]], num_new: int, pad_id: int
         attention_mask[i, width - len(p) :] = 1
     with torch.inference_mode():
         seqs = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
             do_sample=False,
             max_new_tokens=num_new,
             min_new_tokens=num_new,  # suppresses EOS, so every row runs to num_new
@@ -234,6 +240,235 @@ def busy_warning(cores_by_section: dict[str, float], threshold: float = 0.1) -> 
     )
 
 
+# -- the model measured --------------------------------------------------------------------------
+
+# Hugging Face config.json fields of real models (from their GGUF metadata, ../shared/MODELS.md),
+# for random-weight stand-ins: decode and throughput timings do not depend on the weights' values
+# (greedy, EOS ignored, no data-dependent work), only on their shapes.
+SYNTHETIC_MODELS: dict[str, dict] = {
+    "qwen2.5-1.5b": {  # Qwen2.5-Coder-1.5B-Instruct: untied head, q/k/v biases
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 1536,
+        "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "use_sliding_window": False,
+    },
+    "qwen2.5-0.5b": {  # Qwen2.5-Coder-0.5B-Instruct: tied head
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "use_sliding_window": False,
+    },
+    "smollm2-135m": {  # SmolLM2-135M-Instruct, the default model
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    },
+    "tiny": {  # smoke tests on a CPU
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    },
+}
+SYNTHETIC_DIR = RESULTS_DIR / "synthetic"
+
+
+def add_model_args(parser, default: str | None, default_help: str = "") -> None:
+    """--model and --synthetic (one of them; `benchmark_model` resolves them)."""
+    parser.add_argument("--model", default=default,
+                        help="model alias or path (.gguf file or HF directory)" + (f"; {default_help}" if default_help else ""))
+    parser.add_argument("--synthetic", choices=tuple(SYNTHETIC_MODELS), default=None,
+                        help="instead of --model: random weights in this model's shape, written once as a Hugging "
+                             f"Face directory under {SYNTHETIC_DIR} (timings do not depend on the weights' values)")
+
+
+def benchmark_model(args, device: str) -> str:
+    """What to load: the --synthetic directory (written on `device` if missing) or --model."""
+    if args.synthetic:
+        return str(synthetic_model_dir(args.synthetic, device))
+    if not args.model:
+        raise SystemExit("no model: pass --model (an alias, .gguf file or HF directory) or --synthetic NAME")
+    return args.model
+
+
+def synthetic_model_dir(name: str, device: str = "cpu", directory: Path | None = None, seed: int = 0) -> Path:
+    """A Hugging Face directory (config.json, model.safetensors in bf16, a tokenizer) with random
+    weights in the shape of SYNTHETIC_MODELS[name]; reused when one with the same config.json is there.
+
+    The tokenizer is byte-level BPE without merges (one token per byte of UTF-8 text), its vocabulary
+    padded to the model's with unused tokens so that every id the model can emit decodes; its last id
+    is the end-of-text token."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenmill.models.loader import ModelArchConfig, expected_weight_shapes
+
+    fields = SYNTHETIC_MODELS[name]
+    vocab_size = fields["vocab_size"]
+    config = {**fields, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": vocab_size - 1,
+              "torch_dtype": "bfloat16", "synthetic_seed": seed}
+    directory = directory or SYNTHETIC_DIR / name
+    config_file = directory / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()) == config:
+        return directory
+    t0 = time.perf_counter()
+    print(f"writing a random-weight {name} to {directory} ...", flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    config_file.unlink(missing_ok=True)  # written last: a directory with it is complete
+
+    arch = ModelArchConfig(
+        architecture=fields["model_type"], vocab_size=vocab_size, hidden_size=fields["hidden_size"],
+        intermediate_size=fields["intermediate_size"], num_hidden_layers=fields["num_hidden_layers"],
+        num_attention_heads=fields["num_attention_heads"], num_key_value_heads=fields["num_key_value_heads"],
+        head_dim=fields["hidden_size"] // fields["num_attention_heads"], rms_norm_eps=fields["rms_norm_eps"],
+        rope_theta=fields["rope_theta"], rope_scaling=None, max_position_embeddings=fields["max_position_embeddings"],
+        tie_word_embeddings=fields["tie_word_embeddings"], attention_bias=fields["model_type"] == "qwen2",
+        bos_token_id=None, eos_token_ids=(vocab_size - 1,),
+    )
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for tensor_name, shape in expected_weight_shapes(arch).items():
+        if tensor_name.endswith("norm.weight"):
+            t = torch.ones(shape, device=device)
+        else:  # std 0.02, as transformers initializes
+            t = torch.randn(shape, generator=gen, device=device).mul_(0.02)
+        tensors[tensor_name] = t.to(torch.bfloat16).cpu()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab |= {f"<unused_{i}>": i for i in range(len(vocab), vocab_size - 1)}
+    vocab["<|endoftext|>"] = vocab_size - 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(directory))
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    print(f"wrote {directory} in {time.perf_counter() - t0:.1f}s", flush=True)
+    return directory
+
+
+# -- the device ---------------------------------------------------------------------------------
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> cuda when torch sees a GPU, else cpu; 'cuda' without one fails here, loudly."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return device
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if device == "cuda" else (machine_info().get("cpu_model") or "cpu")
+
+
+def copy_bandwidth(device: str, num_bytes: int, repeats: int = 10) -> dict:
+    """`dst.copy_(src)` of two `num_bytes` tensors on `device`, timed with CUDA events on a GPU
+    (wall clock on a CPU), best and median of `repeats` after two warm-ups. Bandwidth counts the
+    bytes read and written (2 x num_bytes per copy), as memory-bandwidth figures usually do."""
+    import torch
+
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 2):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        if i >= 2:
+            times.append(seconds)
+    if not torch.equal(dst[-1:], src[-1:]):
+        raise RuntimeError("the bandwidth copy did not copy")
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    moved = 2 * (num_bytes // 4) * 4
+    return {
+        "bytes_copied": moved // 2,
+        "device": device,
+        "best_seconds": min(times),
+        "median_seconds": statistics.median(times),
+        "best_bytes_per_s": moved / min(times),
+        "median_bytes_per_s": moved / statistics.median(times),
+    }
+
+
+def tensor_bytes(model) -> dict:
+    """Bytes of the model's tensors, each storage once: all of them, and those a decode step reads
+    in full (not an nn.Embedding table unless the LM head shares it, not rotary cos/sin caches)."""
+    import torch
+    from torch import nn
+
+    storages: dict[object, list] = {}  # storage key -> [bytes, read in full per token]
+    for module_name, module in model.named_modules():
+        tensors = [*module._parameters.items(), *module._buffers.items()]
+        tensors += [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]
+        for attr, t in tensors:
+            if t is None:
+                continue
+            try:
+                key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # an opaque layout without a plain storage
+                key, nbytes = id(t), t.numel() * t.element_size()
+            lookup_only = isinstance(module, nn.Embedding) or "rotary" in module_name or attr.endswith(("cos_cache", "sin_cache"))
+            entry = storages.setdefault(key, [nbytes, False])
+            entry[1] = entry[1] or not lookup_only
+    total = sum(b for b, _ in storages.values())
+    read = sum(b for b, r in storages.values() if r)
+    return {"total_bytes": total, "read_per_token_bytes": read, "lookup_only_bytes": total - read}
+
+
+# -- engine knobs that may not exist yet ----------------------------------------------------------
+
+
+def engine_fields() -> set[str]:
+    import dataclasses
+
+    from tokenmill.config import EngineConfig
+
+    return {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def attention_backend_kwargs(backend: str | None) -> dict:
+    """{"attention_backend": backend} when asked for and EngineConfig has the field; else {} (and a
+    line saying it is not available)."""
+    if backend is None:
+        return {}
+    if "attention_backend" not in engine_fields():
+        print(f"--attention-backend {backend}: not available (EngineConfig has no attention_backend field); "
+              "running the engine's only backend")
+        return {}
+    return {"attention_backend": backend}
+
+
+def cuda_graph_field() -> str | None:
+    """The EngineConfig field that switches CUDA graphs off (`enforce_eager`), or None when this
+    tokenmill has none."""
+    return "enforce_eager" if "enforce_eager" in engine_fields() else None
+
+
+def cuda_graph_kwargs(on: bool) -> dict:
+    if cuda_graph_field() is None:
+        raise ValueError("EngineConfig has no enforce_eager field")
+    return {"enforce_eager": not on}
+
+
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -276,6 +511,10 @@ def machine_info() -> dict:
         info["load_average"] = os.getloadavg()
     except OSError:
         pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {"name": props.name, "memory_bytes": props.total_memory,
+                       "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda}
     return info
 
 

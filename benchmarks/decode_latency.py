@@ -39,8 +39,8 @@ from pathlib import Path
 
 from common import (
     CONFIG_NAMES, RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, config_kwargs, config_label, cut_prompts, fmt,
-    hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_ratios, print_table, run_llama_bench, text_token_ids,
-    write_report,
+    hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_ratios, print_table, run_llama_bench, tensor_bytes,
+    text_token_ids, write_report,
 )
 
 DEFAULT_OUTPUT = RESULTS_DIR / "decode_latency.json"
@@ -116,31 +116,6 @@ def measure_bandwidth(repeats: int = 7) -> dict:
         "best_bytes_per_s": BANDWIDTH_BYTES / min(times),
         "median_bytes_per_s": BANDWIDTH_BYTES / statistics.median(times),
     }
-
-
-def tensor_bytes(model) -> dict:
-    """Bytes of the model's tensors, each storage once: all of them, and those a decode step reads
-    in full (not an nn.Embedding table unless the LM head shares it, not rotary cos/sin caches)."""
-    import torch
-    from torch import nn
-
-    storages: dict[object, list] = {}  # storage key -> [bytes, read in full per token]
-    for module_name, module in model.named_modules():
-        tensors = [*module._parameters.items(), *module._buffers.items()]
-        tensors += [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]
-        for attr, t in tensors:
-            if t is None:
-                continue
-            try:
-                key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):  # an opaque layout without a plain storage
-                key, nbytes = id(t), t.numel() * t.element_size()
-            lookup_only = isinstance(module, nn.Embedding) or "rotary" in module_name or attr.endswith(("cos_cache", "sin_cache"))
-            entry = storages.setdefault(key, [nbytes, False])
-            entry[1] = entry[1] or not lookup_only
-    total = sum(b for b, _ in storages.values())
-    read = sum(b for b, r in storages.values() if r)
-    return {"total_bytes": total, "read_per_token_bytes": read, "lookup_only_bytes": total - read}
 
 
 # -- tokenmill ----------------------------------------------------------------------------------

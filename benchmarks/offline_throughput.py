@@ -16,10 +16,16 @@ requested output in that batch (HF cannot stop sequences of a static batch at di
 lengths). Only the requested output tokens of each request count as useful output tokens; the
 raw number of generated tokens (batch size x longest output, per batch) is reported too.
 
-Both engines run in this one process, with the same dtype and the same torch thread count.
+Both engines run in this one process, on the same device (`--device`, default cuda when
+available), with the same dtype and the same torch thread count; on a GPU the tokenmill engine is
+deleted and the CUDA cache emptied before Hugging Face loads. With `--attention-backends
+torch,triton` (when this tokenmill's EngineConfig has an attention_backend field) tokenmill runs
+once per backend, each a fresh engine, and the backends are compared too.
 
     python benchmarks/offline_throughput.py                       # 64 requests, 32:512 in, 32:256 out
     python benchmarks/offline_throughput.py --num-requests 4 --input-len 16:32 --output-len 8:16 --hf-batch-size 2
+    python benchmarks/offline_throughput.py --synthetic qwen2.5-1.5b --num-requests 256 --input-len 100:1024 \
+        --output-len 100:1024 --hf-batch-size 64 --attention-backends torch,triton      # issue 9, on the GPU
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ import time
 from pathlib import Path
 
 from common import (
-    RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, hf_generate_batch, hf_pad_id, load_hf, print_table, run_hf,
-    text_token_ids, write_report,
+    RESULTS_DIR, TEXT_FILE, OtherLoad, add_model_args, benchmark_model, busy_warning, device_name, engine_fields,
+    hf_generate_batch, hf_pad_id, load_hf, print_table, resolve_device, run_hf, text_token_ids, write_report,
 )
 
 DEFAULT_OUTPUT = RESULTS_DIR / "offline_throughput.json"
@@ -64,20 +70,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from tokenmill.config import EngineConfig
 
     d = EngineConfig()
-    auto_dtype = d.resolved_dtype("cpu")
     p = argparse.ArgumentParser(
         description="Offline throughput of tokenmill (one in-flight batch) vs Hugging Face transformers "
         "generate (static, left-padded batches in request order) on the same greedy, ignore-EOS workload.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=d.model, help="model alias or path (.gguf file or HF directory)")
+    add_model_args(p, d.model)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="device of both engines; auto = cuda when available")
     p.add_argument("--num-requests", type=int, default=64, help="number of requests N")
     p.add_argument("--input-len", type=length_range, default="32:512", metavar="MIN:MAX",
                    help="prompt length range in tokens, drawn uniformly (inclusive)")
     p.add_argument("--output-len", type=length_range, default="32:256", metavar="MIN:MAX",
                    help="output length range in tokens, drawn uniformly (inclusive); exact, EOS is ignored")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=auto_dtype,
-                   help="compute dtype of both engines; the default is what tokenmill's dtype 'auto' resolves to on this CPU")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype of both engines; default: what tokenmill's dtype 'auto' resolves to on the "
+                        "device (bf16 on CUDA and on CPUs with native bf16, else fp32)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for HF generate")
     p.add_argument("--hf-sort-by-length", action="store_true",
                    help="sort requests by prompt length before cutting HF batches, instead of request order")
@@ -86,7 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="tokenmill: most requests running at once")
     p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb,
-                   help="tokenmill: KV cache memory budget")
+                   help="tokenmill: KV cache memory budget (default: auto, see --gpu-memory-utilization on CUDA)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="tokenmill on CUDA with the KV cache sized automatically: the fraction of GPU memory it may use")
+    p.add_argument("--attention-backends", default=None, metavar="NAME[,NAME]",
+                   help="tokenmill: run once per attention backend (e.g. torch,triton) when the EngineConfig has an "
+                        "attention_backend field (else: not available, one run); default: the engine's default")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads for both engines; None = tokenmill's default, the physical core count")
     p.add_argument("--skip-hf", action="store_true", help="run tokenmill only")
@@ -98,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-requests must be >= 1")
     if args.hf_batch_size < 1:
         p.error("--hf-batch-size must be >= 1")
+    if args.synthetic and args.model != d.model:
+        p.error("give --model or --synthetic, not both")
+    args.attention_backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] if args.attention_backends else []
     return args
 
 
@@ -221,52 +237,77 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tokenmill import LLM, SamplingParams
+    from tokenmill.config import EngineConfig
 
+    device = resolve_device(args.device)
+    dtype = args.dtype or EngineConfig().resolved_dtype(device)
+    model = benchmark_model(args, device)
     engine_kwargs = {
-        "dtype": args.dtype,
+        "device": device,
+        "dtype": dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "num_threads": args.num_threads,
     }
-    t = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs)  # sets torch's thread count for the whole process
-    tokenmill_load_s = time.perf_counter() - t
-    tokenizer = llm.tokenizer
-    model_path = llm.engine.model_path
+    backends: list[str | None] = list(args.attention_backends) or [None]
+    if args.attention_backends and "attention_backend" not in engine_fields():
+        print(f"--attention-backends {','.join(args.attention_backends)}: not available (EngineConfig has no "
+              "attention_backend field); one run with the engine's only backend")
+        backends = [None]
 
-    requests, text_tokens = make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed)
-    longest = max(len(p) + n for p, n in requests)
-    if longest > llm.engine.max_model_len:
-        raise SystemExit(f"a request of {longest} tokens exceeds max_model_len {llm.engine.max_model_len}")
-    print(
-        f"workload: {len(requests)} requests, prompt {args.input_len[0]}:{args.input_len[1]}, "
-        f"output {args.output_len[0]}:{args.output_len[1]}, seed {args.seed}; dtype {args.dtype}, "
-        f"{torch.get_num_threads()} torch threads; model {model_path.name}",
-        flush=True,
-    )
-
-    # Warm-up: a couple of short requests through the whole path.
-    warm_prompts = [p[:16] for p, _ in requests[:2]]
-    llm.generate(warm_prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-
-    print("running tokenmill ...", flush=True)
-    tm_result, tm_ids = run_tokenmill(llm, requests)
-    tm_result["load_seconds"] = tokenmill_load_s
-    eos_ids = set(getattr(llm.engine, "eos_token_ids", []) or [])
-    results = [tm_result]
+    requests = tokenizer = model_path = warm_prompts = text_tokens = None
+    tm_results: list[dict] = []
+    tm_ids = None
+    eos_ids: set[int] = set()
+    for backend in backends:
+        kwargs = engine_kwargs | ({"attention_backend": backend} if backend else {})
+        t = time.perf_counter()
+        llm = LLM(model, **kwargs)  # sets torch's thread count for the whole process
+        load_s = time.perf_counter() - t
+        if llm.engine.core.device != device:
+            raise RuntimeError(f"tokenmill runs on {llm.engine.core.device}, not {device}")
+        if requests is None:
+            tokenizer = llm.tokenizer
+            model_path = llm.engine.model_path
+            requests, text_tokens = make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed)
+            longest = max(len(p) + n for p, n in requests)
+            if longest > llm.engine.max_model_len:
+                raise SystemExit(f"a request of {longest} tokens exceeds max_model_len {llm.engine.max_model_len}")
+            print(
+                f"workload: {len(requests)} requests, prompt {args.input_len[0]}:{args.input_len[1]}, "
+                f"output {args.output_len[0]}:{args.output_len[1]}, seed {args.seed}; {device} "
+                f"({device_name(device)}), dtype {dtype}, {torch.get_num_threads()} torch threads; model {model_path.name}"
+                + (" (synthetic weights)" if args.synthetic else ""),
+                flush=True,
+            )
+            # Warm-up: a couple of short requests through the whole path.
+            warm_prompts = [p[:16] for p, _ in requests[:2]]
+            eos_ids = set(getattr(llm.engine, "eos_token_ids", []) or [])
+        llm.generate(warm_prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        label = f"tokenmill ({backend})" if backend else "tokenmill"
+        print(f"running {label} ...", flush=True)
+        result, ids = run_tokenmill(llm, requests)
+        result.update(engine=label, attention_backend=backend, load_seconds=load_s,
+                      kv_blocks=llm.engine.core.runner.num_blocks)
+        tm_results.append(result)
+        tm_ids = tm_ids or ids
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    results = list(tm_results)
 
     hf_result = agreement = None
     if not args.skip_hf:
-        del llm
-        gc.collect()
         print("loading Hugging Face model ...", flush=True)
         t = time.perf_counter()
-        model = load_hf(model_path, args.dtype)
+        hf_model = load_hf(model_path, dtype, device)
         hf_load_s = time.perf_counter() - t
-        hf_generate_batch(model, warm_prompts, 4, hf_pad_id(model, tokenizer))  # warm-up
+        hf_generate_batch(hf_model, warm_prompts, 4, hf_pad_id(hf_model, tokenizer))  # warm-up
         print(f"running HF generate (batch size {args.hf_batch_size}) ...", flush=True)
-        hf_result, hf_ids = run_hf(model, tokenizer, requests, args.hf_batch_size, args.hf_sort_by_length)
+        hf_result, hf_ids = run_hf(hf_model, tokenizer, requests, args.hf_batch_size, args.hf_sort_by_length)
         hf_result["load_seconds"] = hf_load_s
         results.append(hf_result)
         agreement = greedy_agreement(tm_ids, hf_ids, eos_ids)
@@ -274,28 +315,32 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_results(results)
     print()
-    tm = tm_result
-    print(
-        f"tokenmill: mean TTFT {tm['mean_ttft_s'] * 1000:.0f} ms (max {tm['max_ttft_s'] * 1000:.0f} ms), "
-        f"mean time per output token {tm['mean_tpot_s'] * 1000:.1f} ms"
-        if tm["mean_tpot_s"] is not None
-        else f"tokenmill: mean TTFT {tm['mean_ttft_s'] * 1000:.0f} ms",
-        end="",
-    )
-    print(f", preemptions {tm['preemptions']}" if tm.get("preemptions") is not None else "")
-    ratio = None
+    for tm in tm_results:
+        print(
+            f"{tm['engine']}: mean TTFT {tm['mean_ttft_s'] * 1000:.0f} ms (max {tm['max_ttft_s'] * 1000:.0f} ms), "
+            f"mean time per output token {tm['mean_tpot_s'] * 1000:.1f} ms"
+            if tm["mean_tpot_s"] is not None
+            else f"{tm['engine']}: mean TTFT {tm['mean_ttft_s'] * 1000:.0f} ms",
+            end="",
+        )
+        print(f", preemptions {tm['preemptions']}" if tm.get("preemptions") is not None else "")
+    ratios = {}
     if hf_result is not None:
-        ratio = tm["output_tok_per_s"] / hf_result["output_tok_per_s"]
+        ratios = {tm["engine"]: tm["output_tok_per_s"] / hf_result["output_tok_per_s"] for tm in tm_results}
         print(
             f"HF: {hf_result['generated_tokens']} tokens generated for {hf_result['output_tokens']} requested "
             f"({hf_result['raw_generated_tok_per_s']:.1f} raw tok/s), batches of {args.hf_batch_size} in "
             f"{hf_result['batch_order']}, left-padded"
         )
         print(
-            f"greedy agreement: {agreement['prefix_match_share']:.1%} of output tokens match HF up to the first "
-            f"divergence; {agreement['identical_requests']}/{len(requests)} requests identical"
+            f"greedy agreement ({tm_results[0]['engine']}): {agreement['prefix_match_share']:.1%} of output tokens "
+            f"match HF up to the first divergence; {agreement['identical_requests']}/{len(requests)} requests identical"
         )
-        print(f"ratio tokenmill / HF, output tok/s: {ratio:.2f}x")
+        for engine, ratio in ratios.items():
+            print(f"ratio {engine} / HF, output tok/s: {ratio:.2f}x")
+    for tm in tm_results[1:]:
+        print(f"ratio {tm['engine']} / {tm_results[0]['engine']}, output tok/s: "
+              f"{tm['output_tok_per_s'] / tm_results[0]['output_tok_per_s']:.2f}x")
     warning = busy_warning({r["engine"]: r["other_processes_cores"] for r in results})
     if warning:
         print(warning)
@@ -304,24 +349,29 @@ def main(argv: list[str] | None = None) -> int:
         args.output,
         "offline_throughput",
         config={
-            "model": args.model,
+            "model": model,
             "model_file": str(model_path),
+            "synthetic": args.synthetic,
+            "device": device,
+            "device_name": device_name(device),
             "num_requests": args.num_requests,
             "input_len": list(args.input_len),
             "output_len": list(args.output_len),
-            "dtype": args.dtype,
+            "dtype": dtype,
             "seed": args.seed,
             "hf_batch_size": args.hf_batch_size,
             "hf_batch_order": "sorted by prompt length" if args.hf_sort_by_length else "request order",
             "skip_hf": args.skip_hf,
             "tokenmill": engine_kwargs,
+            "attention_backends": [b for b in backends if b],
             "text_file": str(TEXT_FILE),
             "text_tokens": text_tokens,
             "greedy": True,
             "ignore_eos": True,
         },
         results=results,
-        ratio_output_tok_per_s_tokenmill_over_hf=ratio,
+        ratio_output_tok_per_s_tokenmill_over_hf=ratios.get(tm_results[0]["engine"]),
+        ratios_output_tok_per_s_over_hf=ratios,
         greedy_agreement=agreement,
         workload={
             "prompt_lens": [len(p) for p, _ in requests],

@@ -6,10 +6,17 @@ takes seconds on 2 cores, so a test session does it once.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. Triton reads this when a
+# kernel is defined (at import of tokenmill.layers.attention.triton_kernels), so it is set
+# before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint

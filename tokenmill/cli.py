@@ -8,7 +8,8 @@ import logging
 import sys
 
 from tokenmill.config import (
-    DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS, QUANTIZATION_METHODS, SPECULATIVE_METHODS,
+    ATTENTION_BACKENDS, CPU_KV_CACHE_MEMORY_GB, DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS,
+    QUANTIZATION_METHODS, SPECULATIVE_METHODS,
     EngineConfig,
 )
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
@@ -25,6 +26,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                         help="compute dtype; auto = bf16 on CPUs with native bf16 and on CUDA, else fp32 (default: auto)")
     parser.add_argument("--device", choices=DEVICES, default=d.device, help="device (default: auto = cuda if available)")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
+                        help="attention over the paged KV cache: torch (PyTorch ops, any device) or triton (Triton "
+                             "kernels: split-K paged decode, flash-style prefill; CUDA) (default: auto = triton on "
+                             "CUDA when Triton is installed, else torch)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: do not capture CUDA graphs of decode steps (captured by default with the triton "
+                             "attention backend, at batch sizes 1, 2, 4, 8, 16, ... up to min(--max-num-seqs, 256))")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
                         help="quantize the linear layers on load: int8 (weight-only, per output channel), int4 "
                              "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "
@@ -44,13 +52,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + output per request (default: the model's context length)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV-cache block (default: {d.block_size})")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb,
-                        help=f"memory for the KV cache in GiB (default: {d.kv_cache_memory_gb})")
+                        help=f"memory for the KV cache in GiB (default: auto = {CPU_KV_CACHE_MEMORY_GB:g} GiB on CPU; on "
+                             "CUDA what --gpu-memory-utilization leaves after the weights and a profiled worst-case step)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="CUDA, without --kv-cache-memory-gb / --num-kv-blocks: the fraction of the GPU's memory, in "
+                             "(0, 1], that may be in use once the KV cache is allocated; weights, peak activations, the "
+                             "CUDA context and other processes' memory count against it, the KV cache gets the rest "
+                             f"(default: {d.gpu_memory_utilization:g})")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                         help="what the KV cache stores: auto = the compute dtype; int8 / fp8 (e4m3) = codes with one "
                              "float32 scale per token and KV head, quantized on write, ~1.9x the blocks of bf16 for "
                              "the same --kv-cache-memory-gb (default: auto)")
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
-                        help="number of KV-cache blocks, overriding --kv-cache-memory-gb")
+                        help="number of KV-cache blocks, overriding --kv-cache-memory-gb and --gpu-memory-utilization")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not share KV blocks of equal prompt prefixes between requests")
     parser.add_argument("--swap-space", dest="swap_space_gb", type=float, default=d.swap_space_gb,

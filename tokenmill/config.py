@@ -13,12 +13,14 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # tokenmill.layers.attention.make_backend builds them
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "fp8")  # tokenmill.layers.linear implements them
 INT4_GROUP_SIZES = (32, 64, 128)
 # How the quantized weights are chosen: round-to-nearest, or calibrated on data (tokenmill.quantization).
 QUANTIZATION_ALGORITHMS = {"rtn": QUANTIZATION_METHODS, "awq": ("int4",), "gptq": ("int4",), "smoothquant": ("w8a8",)}
 SPECULATIVE_METHODS = ("ngram", "draft")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # tokenmill.layers.attention.kv_quant implements int8 / fp8
+CPU_KV_CACHE_MEMORY_GB = 2.0  # the KV-cache budget on CPU when kv_cache_memory_gb is not given
 
 
 class ConfigError(ValueError):
@@ -36,6 +38,13 @@ class EngineConfig:
     # (AVX-512 BF16 / AMX), fp32 on other CPUs, bf16 on CUDA. fp16 is refused on CPU.
     dtype: str = "auto"
     device: str = "auto"
+    # Attention over the paged KV cache: "torch" (PyTorch ops, the reference, any device) or
+    # "triton" (Triton kernels: split-K paged decode, flash-style varlen prefill; needs CUDA,
+    # or Triton's CPU interpreter). "auto": triton on CUDA when Triton is installed, else torch.
+    attention_backend: str = "auto"
+    # CUDA with the Triton backend: decode-only steps replay CUDA graphs captured at start-up at
+    # bucketed batch sizes (worker/cuda_graphs.py); True runs every step eagerly instead.
+    enforce_eager: bool = False
     # Quantization of the linear layers on load: None (the dtype's weights), "int8" (weight-only,
     # per output channel), "int4" (weight-only, asymmetric, groups of quantization_group_size
     # input channels), "w8a8" (int8 weights and per-token int8 activations, int8 matmul) or
@@ -57,13 +66,21 @@ class EngineConfig:
     num_threads: int | None = None
     # Longest prompt + output a request may have; None = the model's context length.
     max_model_len: int | None = None
-    # KV cache: tokens per block, and the memory budget for all blocks of all layers.
+    # KV cache: tokens per block, and the memory budget for all blocks of all layers (GiB).
+    # None = auto: CPU_KV_CACHE_MEMORY_GB on CPU; on CUDA, what gpu_memory_utilization leaves
+    # once the weights are loaded and a worst-case step has been profiled (worker/memory.py).
     block_size: int = 16
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float | None = None
+    # CUDA only, with kv_cache_memory_gb and num_kv_blocks unset: the fraction of the GPU's
+    # memory, in (0, 1], that may be in use once the KV cache is allocated. Everything already
+    # on the device counts against it: weights, the profiled step's peak activations, the CUDA
+    # context and workspaces, and other processes' memory; the KV cache gets the rest.
+    gpu_memory_utilization: float = 0.9
     # What the KV cache stores: "auto" (the compute dtype) or "int8" / "fp8" (e4m3) codes with
     # one float32 scale per token and KV head, quantized on write: ~1.9x the blocks of bf16.
     kv_cache_dtype: str = "auto"
-    # Overrides the block count computed from kv_cache_memory_gb (tests use it to force preemption).
+    # Overrides the block count computed from kv_cache_memory_gb or gpu_memory_utilization (tests
+    # use it to force preemption).
     num_kv_blocks: int | None = None
     # Scheduler: token budget per engine step and the most requests running at once.
     # Prefix caching: full KV blocks are shared by hash between requests with the same prefix.
@@ -99,6 +116,8 @@ class EngineConfig:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ConfigError("device", f"must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError("quantization", f"must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:
@@ -125,8 +144,10 @@ class EngineConfig:
             _check_min("num_host_kv_blocks", self.num_host_kv_blocks, 0)
         if not self.swap_space_gb >= 0:
             raise ConfigError("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
-        if not self.kv_cache_memory_gb > 0:
-            raise ConfigError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_memory_gb is not None and not (_is_number(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0):
+            raise ConfigError("kv_cache_memory_gb", f"must be > 0 or None (auto), got {self.kv_cache_memory_gb!r}")
+        if not (_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
@@ -165,8 +186,41 @@ class EngineConfig:
             raise ConfigError("dtype", "float16 is not supported on CPU; use bfloat16 or float32")
         return self.dtype
 
+    def resolved_attention_backend(self, device: str) -> str:
+        """The backend to build: "auto" resolved for `device`; "triton" checked to be runnable."""
+        triton = _triton_mode()
+        if self.attention_backend == "auto":
+            return "triton" if device == "cuda" and triton is not None else "torch"
+        if self.attention_backend == "triton":
+            if triton is None:
+                raise ConfigError("attention_backend", "triton needs the triton package (pip install 'tokenmill[triton]')")
+            if device != "cuda" and triton != "interpreter":
+                raise ConfigError("attention_backend", "triton runs on CUDA devices (on a CPU only in Triton's interpreter, "
+                                  "TRITON_INTERPRET=1, which is for tests)")
+        return self.attention_backend
+
     def resolved_num_threads(self) -> int:
         return self.num_threads or num_physical_cores()
+
+    def resolved_kv_cache_memory_gb(self, device: str) -> float | None:
+        """The KV-cache budget in GiB: the one given, else CPU_KV_CACHE_MEMORY_GB on CPU; None on
+        CUDA means "size it from gpu_memory_utilization after profiling" (the model runner does)."""
+        if self.kv_cache_memory_gb is not None:
+            return self.kv_cache_memory_gb
+        return None if device == "cuda" else CPU_KV_CACHE_MEMORY_GB
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _triton_mode() -> str | None:
+    """None when Triton is not installed, "interpreter" when it runs kernels on the CPU, else "compiler"."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return "interpreter" if triton.knobs.runtime.interpret else "compiler"
 
 
 def _check_min(field: str, value: int, minimum: int) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers.attention import AttentionMetadata, TorchAttentionBackend
-from tokenmill.worker.model_runner import build_decode_groups, split_by_length
+from tokenmill.layers.attention import AttentionMetadata, TorchAttentionBackend, build_decode_groups, split_by_length
 
 
 def test_split_by_length_balances_padding_against_groups():

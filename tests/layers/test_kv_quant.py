@@ -17,7 +17,7 @@ from tokenmill.eval.perplexity import perplexity
 from tokenmill.layers.attention import AttentionMetadata, TorchAttentionBackend
 from tokenmill.layers.attention.backend import _write_kv
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, dequantize_kv, quantize_kv
-from tokenmill.worker.model_runner import build_decode_groups
+from tokenmill.layers.attention import build_decode_groups
 
 
 def spread_vectors(dtype: torch.dtype) -> torch.Tensor:

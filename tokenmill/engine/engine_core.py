@@ -54,9 +54,10 @@ class EngineCore:
             self.kv_cache_manager,
         )
         logger.info(
-            "engine ready: %s on %s (%s, %d threads), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
+            "engine ready: %s on %s (%s, %d threads, %s attention), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
             "(%s, %.0f MiB) + %d host blocks for swapping, prefix caching %s, max_model_len %d",
-            checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.load_seconds,
+            checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.attention_backend,
+            self.runner.load_seconds,
             self.runner.num_blocks, config.block_size, self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
             self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
             self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,

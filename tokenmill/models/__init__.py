@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.attention import TorchAttentionBackend
+from tokenmill.layers.attention import make_backend
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import LoadedCheckpoint
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
 
 
-def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype) -> LlamaForCausalLM:
+def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype,
+                attention_backend: str = "torch") -> LlamaForCausalLM:
     """The checkpoint's model class on the CPU with plain nn.Linear layers, weights not loaded
-    (`load_weights`, or `quantization.quantize.load_quantized_weights` for a quantized checkpoint)."""
+    (`load_weights`, or `quantization.quantize.load_quantized_weights` for a quantized checkpoint),
+    attending with the backend named `attention_backend` (`layers.attention.make_backend`)."""
     arch = checkpoint.config
     model_cls = MODEL_CLASSES.get(arch.architecture)
     if model_cls is None:
         raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
     with torch.device("cpu"):
-        return model_cls(arch, TorchAttentionBackend(), max_position, dtype)
+        return model_cls(arch, make_backend(attention_backend), max_position, dtype)

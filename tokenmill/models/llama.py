@@ -3,7 +3,7 @@ optional q/k/v bias, tied or untied LM head.
 
 The model sees a flat batch: `input_ids` and `positions` are `[num_tokens]` over every scheduled
 token of every request in the step; matmuls run on the whole batch, attention is split at
-sequence boundaries by the backend using `AttentionMetadata`. It knows nothing about scheduling.
+sequence boundaries by the attention backend, using the metadata it built for the step. It knows nothing about scheduling.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.loader import ModelArchConfig
@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, cos_sin, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x, kv_cache: KVCache, meta) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         # Queries and keys are adjacent in the fused output: rotate them in one go.
@@ -66,7 +66,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, cos_sin, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x, kv_cache: KVCache, meta) -> torch.Tensor:
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -85,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_position: int, dtype: torch.dtype):
         super().__init__()
         self.config = config
+        self.attn_backend = backend  # every layer's; its build_metadata makes the step's `meta`
         self.rotary = rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers))
@@ -93,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns the final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)  # the same rows for every layer

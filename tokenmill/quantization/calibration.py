@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tokenmill.eval.perplexity import GPL3_PATH
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention import BatchLayout
 
 _log = logging.getLogger(__name__)
 
@@ -157,19 +157,17 @@ def _prefill(model: nn.Module, sequences: list[list[int]], block_size: int = 16)
     config = model.config
     param = next(model.parameters())
     lengths = [len(s) for s in sequences]
-    num_tokens = sum(lengths)
-    num_blocks = math.ceil(num_tokens / block_size)
+    # Each sequence in blocks of its own, consecutive.
+    tables, slots = [], []
+    for n in lengths:
+        first = sum(len(t) for t in tables)
+        tables.append(list(range(first, first + math.ceil(n / block_size))))
+        slots.extend(range(first * block_size, first * block_size + n))
+    num_blocks = sum(len(t) for t in tables)
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     caches = [(torch.empty(shape, dtype=param.dtype, device=param.device), torch.empty(shape, dtype=param.dtype, device=param.device))
               for _ in range(config.num_hidden_layers)]
     input_ids = torch.tensor([t for s in sequences for t in s], device=param.device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(param.device)
-    meta = AttentionMetadata(
-        num_decodes=0,
-        slot_mapping=torch.arange(num_tokens, device=param.device),
-        decode_groups=[],
-        prefill_query_lens=lengths,
-        prefill_seq_lens=lengths,
-        prefill_block_ids=[torch.empty(0, dtype=torch.long)] * len(lengths),  # no earlier context is read
-    )
+    meta = model.attn_backend.build_metadata(BatchLayout(block_size, slots, [], [], lengths, lengths, tables), param.device)
     model(input_ids, positions, caches, meta)

@@ -22,7 +22,7 @@ import torch
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tokenmill.layers.attention import AttentionMetadata, DecodeGroup
+from tokenmill.layers.attention import BatchLayout
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, indexable
 from tokenmill.layers.linear import convert_linears
 from tokenmill.layers.sampler import Sampler, SamplingRow
@@ -32,6 +32,8 @@ from tokenmill.models.registry import resolve_model
 from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantize_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from tokenmill.worker.memory import GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class ModelRunner:
         self.kv_quantized = config.kv_cache_dtype in KV_CODE_DTYPES
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.attention_backend = config.resolved_attention_backend(self.device.type)
         t0 = time.perf_counter()
         self.model = self._load_model(checkpoint, config, max_model_len)
         # Speculative decoding with a draft model: its own KV cache, under the same block
@@ -84,7 +87,19 @@ class ModelRunner:
             self.draft_model = self._load_draft(config, checkpoint, max_model_len)
         self.load_seconds = time.perf_counter() - t0
         models = [m for m in (self.model, self.draft_model) if m is not None]
-        self.num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
+        self.sampler = Sampler(seed=config.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = (
+            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+            if config.speculative_method == "ngram" else None
+        )
+        # Sized below (on CUDA after a profiled step through execute_model, over a scratch cache
+        # and without CUDA graphs, which are captured once the real cache exists).
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.draft_kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.decode_graphs: DecodeGraphs | None = None
+        self.num_blocks = self._num_kv_blocks(config)
         self.kv_caches = self._make_caches(self.model.config, self.num_blocks, self.device)
         self.draft_kv_caches = self._make_caches(self.draft_model.config, self.num_blocks, self.device) if self.draft_model else []
         # The host pool that preempted requests are swapped out to (pinned for fast copies on CUDA).
@@ -94,13 +109,11 @@ class ModelRunner:
         )
         host = [self._make_caches(m.config, self.num_host_blocks, "cpu") for m in models] if self.num_host_blocks else [[]]
         self.host_kv_caches = [layer for caches in host for layer in caches]
-        self.sampler = Sampler(seed=config.seed)
-        self.requests: dict[str, CachedRequestState] = {}
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = (
-            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
-            if config.speculative_method == "ngram" else None
-        )
+        # Decode-only steps replayed from CUDA graphs (worker/cuda_graphs.py): CUDA, the Triton
+        # backend, no draft model (whose forward in execute_model reuses the eager step's inputs).
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager and self.draft_model is None:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                                              self.block_size, max_model_len, self.device)
 
     def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
         qconfig = QuantConfig.from_engine(config)
@@ -108,11 +121,11 @@ class ModelRunner:
             if qconfig is not None:
                 raise ConfigError("quantization", f"{checkpoint.source} is already quantized "
                                   f"({checkpoint.quantization.get('method')}); leave quantization unset")
-            model = build_model(checkpoint, max_model_len, self.dtype)
+            model = build_model(checkpoint, max_model_len, self.dtype, self.attention_backend)
             qconfig = quant_config_from_checkpoint(checkpoint.quantization)
             load_quantized_weights(model, dict(checkpoint.weights()), qconfig, self.device, self.dtype)
             return model.eval()
-        model = build_model(checkpoint, max_model_len, torch.float32 if qconfig else self.dtype)
+        model = build_model(checkpoint, max_model_len, torch.float32 if qconfig else self.dtype, self.attention_backend)
         model.load_weights(checkpoint.weights())
         if qconfig is not None:
             # Quantized from the checkpoint's fp32 weights and calibrated in fp32, exactly what
@@ -161,6 +174,89 @@ class ModelRunner:
 
     def _blocks_for_budget(self, memory_gb: float) -> int:
         return max(1, int(memory_gb * 2**30) // self.bytes_per_block)
+
+    # -- KV cache sizing -----------------------------------------------------------------------
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        """num_kv_blocks if given; else the blocks of kv_cache_memory_gb (CPU_KV_CACHE_MEMORY_GB
+        on CPU when not given); else, on CUDA, what gpu_memory_utilization leaves."""
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        memory_gb = config.resolved_kv_cache_memory_gb(self.device.type)
+        if memory_gb is not None:
+            return self._blocks_for_budget(memory_gb)
+        return self._blocks_for_gpu_memory(config)
+
+    def _blocks_for_gpu_memory(self, config: EngineConfig) -> int:
+        """KV blocks on CUDA: profile the worst-case step with the weights loaded, then give the
+        cache what gpu_memory_utilization of the device leaves (`memory.kv_cache_budget_bytes`)."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        live_before = torch.cuda.memory_allocated(dev)  # the weights
+        torch.cuda.reset_peak_memory_stats(dev)
+        scratch_bytes = self.run_worst_case_step(config)
+        torch.cuda.synchronize(dev)
+        peak = max(0, torch.cuda.max_memory_allocated(dev) - live_before - scratch_bytes)
+        torch.cuda.empty_cache()  # so that `free` counts the step's released memory as free
+        free, total = torch.cuda.mem_get_info(dev)
+        profile = MemoryProfile(total=total, free=free, torch_allocated=torch.cuda.memory_allocated(dev),
+                                torch_reserved=torch.cuda.memory_reserved(dev), peak_activation=peak)
+        blocks_per_request = -(-self.max_model_len // self.block_size)
+        budget = kv_cache_budget_bytes(profile, config.gpu_memory_utilization, blocks_per_request * self.bytes_per_block)
+        num_blocks = budget // self.bytes_per_block
+        logger.info(
+            "GPU memory: %.2f GiB x gpu_memory_utilization %g = %.2f GiB: weights %.2f GiB, peak activations "
+            "%.2f GiB (profiled step of %d tokens), outside torch %.2f GiB (CUDA context, other processes), "
+            "KV cache %.2f GiB = %d blocks = %d tokens in flight at most (%.1f requests of max_model_len %d)",
+            total / GiB, config.gpu_memory_utilization, config.gpu_memory_utilization * total / GiB,
+            profile.torch_allocated / GiB, peak / GiB,
+            sum(profile_prompt_lens(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)),
+            profile.non_torch / GiB,
+            num_blocks * self.bytes_per_block / GiB, num_blocks, num_blocks * self.block_size,
+            num_blocks / blocks_per_request, self.max_model_len,
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def run_worst_case_step(self, config: EngineConfig) -> int:
+        """Run the largest step the scheduler can hand over through execute_model, over a scratch
+        KV cache of just its blocks, and return that cache's bytes.
+
+        The step (`memory.profile_prompt_lens`): the whole max_num_batched_tokens as prompts of
+        as many requests as may run (max_num_seqs), the first as long as max_model_len allows;
+        every request is sampled with top-k/p, min-p, penalties and 20 logprobs, so the sampler's
+        fp32 [rows, vocab] tensors are as large as they get; with speculation the runner also
+        proposes drafts (the draft model runs over every token). Not covered: a prefill chunk
+        over a long cached context and decodes over long contexts (their attention reads the
+        cache; how much it holds on the side is the attention backend's).
+
+        Runs only on an idle runner and leaves no trace: no request state, the caches as they
+        were, and the sampler's shared generator untouched (the rows are seeded)."""
+        assert not self.requests, "the profiling step runs before any request"
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                                frequency_penalty=0.1, logprobs=20, seed=0, max_tokens=1)
+        new_reqs = []
+        num_blocks = 0
+        for i, n in enumerate(profile_prompt_lens(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)):
+            blocks = list(range(num_blocks, num_blocks + -(-n // self.block_size)))
+            new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, n, params, [], blocks, 0))
+            num_blocks += len(blocks)
+        saved = self.kv_caches, self.draft_kv_caches
+        self.kv_caches = self._make_caches(self.model.config, num_blocks, self.device)
+        self.draft_kv_caches = self._make_caches(self.draft_model.config, num_blocks, self.device) if self.draft_model else []
+        try:
+            self.execute_model(SchedulerOutput(
+                scheduled_new_reqs=new_reqs,
+                scheduled_cached_reqs=[],
+                num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new_reqs},
+                total_num_scheduled_tokens=sum(len(r.token_ids) for r in new_reqs),
+                propose_drafts=config.speculative_method is not None,
+            ))
+        finally:
+            self.requests.clear()
+            self.kv_caches, self.draft_kv_caches = saved
+        return num_blocks * self.bytes_per_block
 
     def _swap(self, copies: list[tuple[int, int]], out: bool) -> None:
         """Copy whole blocks between the device cache and the host pool, every layer."""
@@ -213,7 +309,7 @@ class ModelRunner:
         decode_seq_lens: list[int] = []
         prefill_q_lens: list[int] = []
         prefill_seq_lens: list[int] = []
-        prefill_blocks: list[torch.Tensor] = []
+        prefill_tables: list[list[int]] = []
         sample_req_ids: list[str] = []
         sample_indices: list[int] = []
         # Requests verifying drafts: (req_id, flat index of its last known token, drafts).
@@ -247,7 +343,7 @@ class ModelRunner:
             else:
                 prefill_q_lens.append(num_new)
                 prefill_seq_lens.append(end)
-                prefill_blocks.append(torch.tensor(blocks[:num_ctx_blocks], dtype=torch.long))
+                prefill_tables.append(blocks[:num_ctx_blocks])
             if drafts:
                 spec_jobs.append((req_id, len(input_ids) - len(drafts) - 1, drafts))
             elif end == len(state.token_ids):
@@ -255,17 +351,14 @@ class ModelRunner:
                 sample_indices.append(len(input_ids) - 1)
 
         dev = self.device
-        meta = AttentionMetadata(
-            num_decodes=len(decode_tables),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_groups=build_decode_groups(decode_tables, decode_seq_lens, bs, dev),
-            prefill_query_lens=prefill_q_lens,
-            prefill_seq_lens=prefill_seq_lens,
-            prefill_block_ids=[b.to(dev) for b in prefill_blocks],
-        )
-        input_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(input_t, positions_t, self.kv_caches, meta)
+        layout = BatchLayout(bs, slots, decode_tables, decode_seq_lens, prefill_q_lens, prefill_seq_lens, prefill_tables)
+        if self.decode_graphs is not None and not prefill_q_lens and self.decode_graphs.fits(len(input_ids)):
+            hidden = self.decode_graphs.run(input_ids, positions, layout)
+        else:
+            meta = self.model.attn_backend.build_metadata(layout, dev)
+            input_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+            positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
+            hidden = self.model(input_t, positions_t, self.kv_caches, meta)
         if self.draft_model is not None:
             if sched.propose_drafts:  # the draft model's KV follows every computed token
                 self.draft_model(input_t, positions_t, self.draft_kv_caches, meta)
@@ -338,12 +431,7 @@ class ModelRunner:
                 tables.append(state.block_ids[: p // bs + 1])
                 seq_lens.append(p + 1)
                 rows.append(self._sampling_row(state, drafts[j]))
-            meta = AttentionMetadata(
-                num_decodes=len(active),
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                decode_groups=build_decode_groups(tables, seq_lens, bs, dev),
-                prefill_query_lens=[], prefill_seq_lens=[], prefill_block_ids=[],
-            )
+            meta = self.draft_model.attn_backend.build_metadata(BatchLayout(bs, slots, tables, seq_lens, [], [], []), dev)
             hidden = self.draft_model(torch.tensor(tokens, dtype=torch.long, device=dev),
                                       torch.tensor(positions, dtype=torch.long, device=dev), self.draft_kv_caches, meta)
             q = self.sampler.probs(self.draft_model.compute_logits(hidden), rows)
@@ -395,55 +483,3 @@ class ModelRunner:
             output_token_ids=output + list(drafts) if drafts else output,
             eos_token_ids=state.eos_token_ids,
         )
-
-
-def build_decode_groups(tables: list[list[int]], seq_lens: list[int], block_size: int, device,
-                        group_cost: int = 12) -> list[DecodeGroup]:
-    """The decodes' padded block tables and masks, in groups of similar length (`split_by_length`);
-    `tables` are sorted by length, shortest first, and `seq_lens` count the new token."""
-    groups = []
-    start = 0
-    for size in split_by_length([len(t) for t in tables], group_cost):
-        end = start + size
-        width = len(tables[end - 1])  # the longest of the group
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]], dtype=torch.long)
-        if size == 1:  # attend exactly its keys: no mask
-            groups.append(DecodeGroup(num_seqs=1, block_tables=padded.to(device), kv_len=seq_lens[start], mask=None))
-        else:
-            lens = torch.tensor(seq_lens[start:end], dtype=torch.long)
-            mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
-            groups.append(DecodeGroup(num_seqs=size, block_tables=padded.to(device), kv_len=width * block_size, mask=mask.to(device)))
-        start = end
-    return groups
-
-
-def split_by_length(lengths: list[int], group_cost: int = 12) -> list[int]:
-    """Split ascending `lengths` (in blocks) into consecutive groups, returning their sizes.
-
-    A group costs its padded work, size x its longest length, plus `group_cost` blocks' worth
-    for the extra kernel launches of one more group; the split minimizes the total, by dynamic
-    programming over the distinct lengths (few, so this stays cheap)."""
-    if not lengths:
-        return []
-    values: list[int] = []  # distinct lengths, ascending, and how many of each
-    counts: list[int] = []
-    for length in lengths:
-        if values and values[-1] == length:
-            counts[-1] += 1
-        else:
-            values.append(length)
-            counts.append(1)
-    m = len(values)
-    prefix = [0]
-    for c in counts:
-        prefix.append(prefix[-1] + c)
-    best = [0] + [0] * m  # best[j]: cost of the first j distinct values
-    cut = [0] * (m + 1)
-    for j in range(1, m + 1):
-        best[j], cut[j] = min((best[i] + (prefix[j] - prefix[i]) * values[j - 1] + group_cost, i) for i in range(j))
-    sizes = []
-    j = m
-    while j:
-        sizes.append(prefix[j] - prefix[cut[j]])
-        j = cut[j]
-    return sizes[::-1]

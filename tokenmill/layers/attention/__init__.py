@@ -1,5 +1,38 @@
-"""Attention over the paged KV cache. `TorchAttentionBackend` is the portable reference."""
+"""Attention over the paged KV cache. `TorchAttentionBackend` is the portable reference;
+`make_backend("triton")` gives the Triton kernels' backend (CUDA, or Triton's CPU interpreter)."""
 
-from tokenmill.layers.attention.backend import AttentionBackend, AttentionMetadata, DecodeGroup, TorchAttentionBackend
+from tokenmill.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    DecodeGroup,
+    TorchAttentionBackend,
+    build_decode_groups,
+    split_by_length,
+)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "DecodeGroup", "TorchAttentionBackend"]
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """The attention backend called `name` (one of ATTENTION_BACKENDS); Triton is imported only here."""
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: {ATTENTION_BACKENDS}")
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BatchLayout",
+    "DecodeGroup",
+    "TorchAttentionBackend",
+    "build_decode_groups",
+    "make_backend",
+    "split_by_length",
+]

@@ -1,5 +1,11 @@
 """The attention backend interface and its portable PyTorch implementation.
 
+A step's attention work is described once, on the host, as a `BatchLayout` (each token's cache
+slot, each sequence's block table and lengths); the model's backend turns that into its own
+metadata (`build_metadata`), which every layer's `forward` then reads. `TorchAttentionBackend`
+(here) groups decodes into padded batched SDPAs; the Triton backend (`triton_backend`) keeps
+flat tensors its kernels index.
+
 The flat batch of a step is ordered decode tokens first (one query per request), then prefill
 chunks. The backend writes the step's keys/values into the paged cache at `slot_mapping`, then
 attends each query to its own sequence only: decodes as a few padded batched SDPAs over their
@@ -29,6 +35,20 @@ from tokenmill.layers.attention.kv_quant import dequantize_kv, indexable, quanti
 
 
 @dataclass
+class BatchLayout:
+    """A step's tokens as attention sees them: decodes first (one query each, sorted by
+    context length, shortest first), then prefill chunks, in the order of the flat batch."""
+
+    block_size: int
+    slots: list[int]  # per token: the cache slot its K/V is written to
+    decode_tables: list[list[int]]  # per decode: the blocks holding its context (new token included)
+    decode_seq_lens: list[int]  # per decode: its context length, the new token included
+    prefill_query_lens: list[int]  # per chunk: its length
+    prefill_seq_lens: list[int]  # per chunk: the context length, the chunk included
+    prefill_tables: list[list[int]]  # per chunk: the blocks holding that context
+
+
+@dataclass
 class DecodeGroup:
     """Consecutive decodes attended as one padded batch."""
 
@@ -53,13 +73,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    def build_metadata(self, layout: BatchLayout, device: torch.device):  # -> this backend's metadata
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: tuple[torch.Tensor, ...],  # 2 tensors, or 4 when quantized (module docstring)
-        meta: AttentionMetadata,
+        meta,  # what build_metadata returned for this step
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], not necessarily contiguous
         ...
@@ -67,6 +90,22 @@ class AttentionBackend(Protocol):
 
 class TorchAttentionBackend:
     """Reference backend: plain PyTorch ops, any device, MHA/MQA/GQA."""
+
+    def __init__(self, group_cost: int = 12):
+        self.group_cost = group_cost  # see split_by_length
+
+    def build_metadata(self, layout: BatchLayout, device) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_decodes=len(layout.decode_tables),
+            slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=device),
+            decode_groups=build_decode_groups(layout.decode_tables, layout.decode_seq_lens, layout.block_size, device,
+                                              self.group_cost),
+            prefill_query_lens=layout.prefill_query_lens,
+            prefill_seq_lens=layout.prefill_seq_lens,
+            # A chunk with no earlier context attends to its own K/V and reads no blocks.
+            prefill_block_ids=[torch.tensor(t if s > q else [], dtype=torch.long, device=device) for t, s, q
+                               in zip(layout.prefill_tables, layout.prefill_seq_lens, layout.prefill_query_lens)],
+        )
 
     def forward(self, query, key, value, kv_cache, meta, scale):
         _write_kv(kv_cache, meta.slot_mapping, key, value)
@@ -133,6 +172,58 @@ class TorchAttentionBackend:
         q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def build_decode_groups(tables: list[list[int]], seq_lens: list[int], block_size: int, device,
+                        group_cost: int = 12) -> list[DecodeGroup]:
+    """The decodes' padded block tables and masks, in groups of similar length (`split_by_length`);
+    `tables` are sorted by length, shortest first, and `seq_lens` count the new token."""
+    groups = []
+    start = 0
+    for size in split_by_length([len(t) for t in tables], group_cost):
+        end = start + size
+        width = len(tables[end - 1])  # the longest of the group
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]], dtype=torch.long)
+        if size == 1:  # attend exactly its keys: no mask
+            groups.append(DecodeGroup(num_seqs=1, block_tables=padded.to(device), kv_len=seq_lens[start], mask=None))
+        else:
+            lens = torch.tensor(seq_lens[start:end], dtype=torch.long)
+            mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(num_seqs=size, block_tables=padded.to(device), kv_len=width * block_size, mask=mask.to(device)))
+        start = end
+    return groups
+
+
+def split_by_length(lengths: list[int], group_cost: int = 12) -> list[int]:
+    """Split ascending `lengths` (in blocks) into consecutive groups, returning their sizes.
+
+    A group costs its padded work, size x its longest length, plus `group_cost` blocks' worth
+    for the extra kernel launches of one more group; the split minimizes the total, by dynamic
+    programming over the distinct lengths (few, so this stays cheap)."""
+    if not lengths:
+        return []
+    values: list[int] = []  # distinct lengths, ascending, and how many of each
+    counts: list[int] = []
+    for length in lengths:
+        if values and values[-1] == length:
+            counts[-1] += 1
+        else:
+            values.append(length)
+            counts.append(1)
+    m = len(values)
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    best = [0] + [0] * m  # best[j]: cost of the first j distinct values
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        best[j], cut[j] = min((best[i] + (prefix[j] - prefix[i]) * values[j - 1] + group_cost, i) for i in range(j))
+    sizes = []
+    j = m
+    while j:
+        sizes.append(prefix[j] - prefix[cut[j]])
+        j = cut[j]
+    return sizes[::-1]
 
 
 def _write_kv(kv_cache, slot_mapping, key, value) -> None:

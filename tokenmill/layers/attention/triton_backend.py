@@ -1,0 +1,88 @@
+"""The Triton attention backend: the kernels of `triton_kernels` behind the backend interface.
+
+Its metadata is the step as flat tensors - block tables padded to a common width, int32
+lengths, prefix offsets of the prefill chunks - which is what the kernels index, and what a
+captured CUDA graph's static buffers hold. Each layer then costs four kernel launches: the KV
+write, the split-K decode and its combine, and the varlen prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.layers.attention.backend import BatchLayout
+from tokenmill.layers.attention.triton_kernels import paged_decode, paged_prefill, write_kv
+
+# Split-K decode: enough programs to fill the GPU (ideally ~2 per SM), but never splits shorter
+# than MIN_SPLIT_TOKENS keys (each split is a partial output to write and combine).
+MAX_DECODE_SPLITS = 16
+MIN_SPLIT_TOKENS = 128
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many splits each decode's keys are cut into: as many as it takes for num_seqs x
+    num_kv_heads x splits programs to give every SM two, bounded by the longest sequence's
+    length in MIN_SPLIT_TOKENS and by MAX_DECODE_SPLITS."""
+    wanted = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
+    by_length = max(1, -(-max_seq_len // MIN_SPLIT_TOKENS))
+    return max(1, min(wanted, by_length, MAX_DECODE_SPLITS))
+
+
+@dataclass
+class PagedAttentionMetadata:
+    num_decodes: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    decode_block_tables: torch.Tensor  # [num_decodes, width] int32, padded with block 0
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, the new token included
+    decode_max_seq_len: int  # bounds the split count (decode_num_splits)
+    num_prefills: int
+    prefill_block_tables: torch.Tensor  # [num_prefills, width] int32
+    prefill_query_start: torch.Tensor  # [num_prefills + 1] int32, offsets within the prefill tokens
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32, the chunk included
+    prefill_max_query_len: int
+
+
+def _padded(tables: list[list[int]], device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width).to(device)
+
+
+class TritonAttentionBackend:
+    """Paged attention in Triton kernels: CUDA, or Triton's CPU interpreter (tests)."""
+
+    def __init__(self, num_sms: int | None = None):
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+        self.num_sms = num_sms
+
+    def build_metadata(self, layout: BatchLayout, device) -> PagedAttentionMetadata:
+        num_decodes = len(layout.decode_tables)
+        query_start = [0]
+        for n in layout.prefill_query_lens:
+            query_start.append(query_start[-1] + n)
+        return PagedAttentionMetadata(
+            num_decodes=num_decodes,
+            slot_mapping=torch.tensor(layout.slots, dtype=torch.long).to(device),
+            decode_block_tables=_padded(layout.decode_tables, device),
+            decode_seq_lens=torch.tensor(layout.decode_seq_lens, dtype=torch.int32).to(device),
+            decode_max_seq_len=max(layout.decode_seq_lens, default=0),
+            num_prefills=len(layout.prefill_query_lens),
+            prefill_block_tables=_padded(layout.prefill_tables, device),
+            prefill_query_start=torch.tensor(query_start, dtype=torch.int32).to(device),
+            prefill_seq_lens=torch.tensor(layout.prefill_seq_lens, dtype=torch.int32).to(device),
+            prefill_max_query_len=max(layout.prefill_query_lens, default=0),
+        )
+
+    def forward(self, query, key, value, kv_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(key, value, meta.slot_mapping, kv_cache)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        nd = meta.num_decodes
+        if nd:
+            splits = decode_num_splits(nd, kv_cache[0].shape[2], meta.decode_max_seq_len, self.num_sms)
+            paged_decode(query[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, splits, out[:nd])
+        if meta.num_prefills:
+            paged_prefill(query[nd:], kv_cache, meta.prefill_block_tables, meta.prefill_query_start,
+                          meta.prefill_seq_lens, meta.prefill_max_query_len, scale, out[nd:])
+        return out

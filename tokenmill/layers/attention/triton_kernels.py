@@ -1,0 +1,329 @@
+"""Triton kernels for attention over the paged KV cache (the `triton` attention backend).
+
+Three kernels, each with a launcher taking torch tensors:
+- `write_kv`: store a step's keys and values at their slots (quantizing for an int8 / fp8
+  cache: one scale per token and KV head, as `kv_quant.quantize_kv`). A negative slot is
+  skipped (padding rows of a captured batch).
+- `paged_decode`: one query per sequence, split-K over the sequence ("flash decoding"): each
+  program attends one (sequence, KV head, split) and keeps a partial output with its running max
+  and sum; a second kernel combines the splits. The query heads of a KV head are the rows of one
+  tile (GQA/MQA: the KV head is read once for its whole group, never copied).
+- `paged_prefill`: causal attention of variable-length query chunks, flash-attention style
+  (tiles of queries against tiles of keys, online softmax, nothing of size q_len x seq_len),
+  reading every key - the chunk's own and earlier context (chunked prefill, prefix-cache hits,
+  draft verification) - from the paged cache, where `write_kv` has just put them.
+
+Keys are gathered per token (`block_table[pos // block_size]`), so any block size works, and a
+tile of keys may span several cache blocks. Cache layout: `layers.attention.backend`.
+
+Under Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) bfloat16
+arithmetic is not supported (its values are held as raw bits): the launchers then upcast the
+dot operands to float32 (`UPCAST`); compiled on a GPU, bf16 and fp16 operands go to the tensor
+cores as they are, with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter instead of compiling them."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+
+
+def _pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """float32 x (|x| <= 448) rounded to nearest-even on the float8 e4m3 grid, as torch's cast
+    does: 3 mantissa bits for normal values (an integer add on the bits carries into the
+    exponent), steps of 2**-9 below 2**-6. Triton's interpreter casts with a wrong carry."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # drop 20 of 23 mantissa bits
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, slot_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    QUANT: tl.constexpr, ROUND: tl.constexpr, QMAX: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, D_PAD)
+    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    dst = slot * NUM_KV_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + dims[None, :]
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
+    if QUANT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_scale = tl.max(tl.abs(k), axis=1) / QMAX  # [HEADS_PAD]
+        v_scale = tl.max(tl.abs(v), axis=1) / QMAX
+        # An all-zero vector has scale 0: divide by the smallest normal instead (codes 0).
+        k = k / tl.maximum(k_scale, 1.1754943508222875e-38)[:, None]
+        v = v / tl.maximum(v_scale, 1.1754943508222875e-38)[:, None]
+        if ROUND:  # int8: to nearest, ties to even (as torch.round); exact for |x| < 2**22
+            k = (k + 12582912.0) - 12582912.0
+            v = (v + 12582912.0) - 12582912.0
+        else:  # fp8: rounded to the e4m3 grid here, so the cast below is exact
+            k = _round_to_e4m3(k)
+            v = _round_to_e4m3(v)
+        hmask = heads < NUM_KV_HEADS
+        tl.store(key_scale_ptr + slot * NUM_KV_HEADS + heads, k_scale, mask=hmask)
+        tl.store(value_scale_ptr + slot * NUM_KV_HEADS + heads, v_scale, mask=hmask)
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, scale_ptr, tok, kvh, dims, nmask, dmask,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """Keys or values of the cache tokens `tok` [N] (global token index = block * block_size +
+    offset) for KV head `kvh`: [N, D_PAD], masked rows and dims 0; float32 when QUANT."""
+    x = tl.load(cache_ptr + (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + dims[None, :],
+                mask=nmask[:, None] & dmask[None, :], other=0.0)
+    if QUANT:
+        scale = tl.load(scale_ptr + tok * NUM_KV_HEADS + kvh, mask=nmask, other=0.0)
+        x = x.to(tl.float32) * scale[:, None]
+    return x
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
+    stride_qt, stride_qh, stride_table, qk_scale,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    TILE_N: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (seq, kv_head, split): the GROUP query heads of kv_head against the split's
+    share of the sequence; writes the unnormalized output and the running (max, sum)."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, D_PAD)
+    rmask = rows < GROUP
+    dmask = dims < HEAD_DIM
+    heads = kvh * GROUP + rows
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for n0 in range(start, end, TILE_N):
+        pos = n0 + tl.arange(0, TILE_N)
+        nmask = pos < end
+        blk = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=nmask, other=0)
+        tok = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, TILE_N], log2 units
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m = m_new
+    # Partials: acc [seq, head, split, HEAD_DIM], (m, l) [seq, head, split, 2]
+    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=rmask[:, None] & dmask[None, :])
+    tl.store(ml_ptr + part * 2, m, mask=rmask)
+    tl.store(ml_ptr + part * 2 + 1, l, mask=rmask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Program (seq, head): the splits' partial outputs rescaled to their common max and summed.
+    A sequence of length 0 (a padding row) gets zeros."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, D_PAD)
+    smask = splits < NUM_SPLITS
+    dmask = dims < HEAD_DIM
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: a padding row
+    w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh nothing
+    total = tl.sum(l * w, axis=0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
+    out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_table, qk_scale,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (query tile, sequence, head): BLOCK_M queries of one chunk against the keys
+    they may see, positions 0 .. their own, read from the paged cache."""
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_context = seq_len - q_len
+    kvh = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D_PAD)
+    rmask = rows < q_len
+    dmask = dims < HEAD_DIM
+    q_pos = num_context + rows
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    kv_end = tl.minimum(seq_len, num_context + (tile + 1) * BLOCK_M)  # the tile's last row sees up to here
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nmask = pos < kv_end
+        blk = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=nmask, other=0)
+        tok = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        s = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: key 0 is visible to every row
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+_LOG2E = 1.4426950408889634
+
+
+def _cache_args(kv_cache: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(key cache, value cache, key scales, value scales, quantized); the scale arguments of an
+    unquantized cache are placeholders the kernels never read."""
+    if len(kv_cache) == 4:
+        return (*kv_cache, True)
+    return kv_cache[0], kv_cache[1], kv_cache[0], kv_cache[1], False
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: tuple[torch.Tensor, ...]) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at the cache slots `slot_mapping`
+    (int64, -1 = skip); an int8 / fp8 cache gets codes and per token-head scales."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    key_cache, value_cache, key_scales, value_scales, quant = _cache_args(kv_cache)
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key_cache.is_contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        key, value, slot_mapping, key_cache, value_cache, key_scales, value_scales,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads, 1), D_PAD=_pow2(head_dim, 1),
+        QUANT=quant, ROUND=key_cache.dtype == torch.int8, QMAX=_QMAX.get(key_cache.dtype, 1.0),
+    )
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    kv_cache: tuple[torch.Tensor, ...],
+    block_tables: torch.Tensor,  # [num_seqs, width] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, the new token included; 0 = a padding row
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
+    tile_n: int = 64,
+) -> None:
+    num_seqs, num_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return
+    key_cache, value_cache, key_scales, value_scales, quant = _cache_args(kv_cache)
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    upcast = _upcast(query.dtype)
+    acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, acc, ml,
+        query.stride(0), query.stride(1), block_tables.stride(0), scale * _LOG2E,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits, GROUP_PAD=_pow2(group), D_PAD=_pow2(head_dim), TILE_N=tile_n,
+        QUANT=quant, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
+    )
+    _decode_combine_kernel[(num_seqs, num_heads)](
+        acc, ml, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=_pow2(num_splits, 1),
+        D_PAD=_pow2(head_dim, 1),
+    )
+
+
+def paged_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the chunks, back to back
+    kv_cache: tuple[torch.Tensor, ...],
+    block_tables: torch.Tensor,  # [num_seqs, width] int32
+    query_start: torch.Tensor,  # [num_seqs + 1] int32: chunk i is query[query_start[i]:query_start[i + 1]]
+    seq_lens: torch.Tensor,  # [num_seqs] int32: context length including the chunk
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # like query, written
+    block_m: int = 64,
+    block_n: int = 64,
+) -> None:
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        return
+    _, num_heads, head_dim = query.shape
+    key_cache, value_cache, key_scales, value_scales, quant = _cache_args(kv_cache)
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    upcast = _upcast(query.dtype)
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_heads)](
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, query_start, seq_lens, out,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * _LOG2E,
+        GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=_pow2(head_dim), QUANT=quant, UPCAST=upcast,
+        PRECISION="ieee" if upcast else "tf32",
+    )

@@ -1,0 +1,87 @@
+"""How much GPU memory the KV cache gets: the arithmetic, kept free of torch so it is tested on CPU.
+
+At start-up on CUDA (when neither kv_cache_memory_gb nor num_kv_blocks is given) the model runner
+loads the weights, runs the worst step the scheduler can produce once (`profile_prompt_lens`
+requests over a scratch KV cache: a full token budget, every request sampled) and reads the
+device's memory (`MemoryProfile`). The KV cache then gets what `gpu_memory_utilization` of the
+device leaves: `kv_cache_budget_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.config import ConfigError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """The device's memory once the weights are loaded and the worst-case step has run (bytes).
+
+    Read after the step's tensors and its scratch KV cache are released."""
+
+    total: int  # the device's memory (torch.cuda.mem_get_info)
+    free: int  # free on the device, as the driver sees it (other processes count as used)
+    torch_allocated: int  # live torch tensors of this process: the weights and buffers
+    torch_reserved: int  # held by torch's caching allocator (>= torch_allocated)
+    peak_activation: int  # the profiled step's peak allocation above what was live before it
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.free <= self.total, self
+        assert 0 <= self.torch_allocated <= self.torch_reserved, self
+        assert self.peak_activation >= 0, self
+
+    @property
+    def non_torch(self) -> int:
+        """Used on the device outside torch's allocator: the CUDA context, cuBLAS / NCCL
+        workspaces, and other processes' memory."""
+        return max(0, self.total - self.free - self.torch_reserved)
+
+    @property
+    def in_use(self) -> int:
+        """What stays in use while serving, besides the KV cache."""
+        return self.torch_allocated + self.peak_activation + self.non_torch
+
+
+def kv_cache_budget_bytes(profile: MemoryProfile, utilization: float, min_bytes: int) -> int:
+    """Bytes for the KV cache: `utilization` x the device's memory, less what is in use.
+
+    Raises ConfigError naming gpu_memory_utilization when that leaves less than `min_bytes` (the
+    caller passes the KV cache of one request of max_model_len tokens)."""
+    if not 0 < utilization <= 1:
+        raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {utilization!r}")
+    allowed = int(utilization * profile.total)
+    budget = allowed - profile.in_use
+    if budget < min_bytes:
+        raise ConfigError(
+            "gpu_memory_utilization",
+            f"{utilization:g} of the GPU's {_gib(profile.total)} is {_gib(allowed)}, which leaves "
+            f"{_gib(max(budget, 0))} for the KV cache after weights {_gib(profile.torch_allocated)}, peak "
+            f"activations {_gib(profile.peak_activation)} and {_gib(profile.non_torch)} outside torch (CUDA "
+            f"context, other processes); one request of max_model_len tokens needs {_gib(min_bytes)}. Raise "
+            "gpu_memory_utilization, or lower max_model_len, max_num_batched_tokens or max_num_seqs",
+        )
+    return budget
+
+
+def profile_prompt_lens(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of the profiled step: the largest one step can be, as many requests as it
+    may hold (each sampled: the most logits rows), the first ones as long as max_model_len allows
+    (the longest attention). Every request gets at least one token; the sum is the token budget,
+    or less when max_num_seqs requests of max_model_len tokens cannot fill it."""
+    num_seqs = min(max_num_seqs, max_num_batched_tokens)
+    num_tokens = min(max_num_batched_tokens, num_seqs * max_model_len)
+    lens = [1] * num_seqs
+    extra = num_tokens - num_seqs
+    for i in range(num_seqs):
+        add = min(extra, max_model_len - 1)
+        lens[i] += add
+        extra -= add
+    assert extra == 0 and sum(lens) == num_tokens
+    return lens
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GiB:.2f} GiB"
