@@ -109,6 +109,27 @@ def _load_kv_tile(cache_ptr, scale_ptr, tok, kvh, dims, nmask, dmask,
 
 
 @triton.jit
+def _attend_tile(q, m, l, acc, pos, nmask, visible, table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                 kvh, dims, dmask, qk_scale, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold the keys at sequence positions `pos` (those with `nmask`, read through the block
+    table at `table_ptr`) into the online softmax (m, l, acc) of the query rows `q`; `visible`
+    [rows, keys] masks scores. Scores are in log2 units (qk_scale includes log2 e)."""
+    blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=nmask, other=0)
+    tok = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    k = _load_kv_tile(k_cache_ptr, k_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
+    v = _load_kv_tile(v_cache_ptr, v_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every row sees at least one key of its first tile
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
     stride_qt, stride_qh, stride_table, qk_scale,
@@ -141,18 +162,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, TILE_N):
         pos = n0 + tl.arange(0, TILE_N)
         nmask = pos < end
-        blk = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=nmask, other=0)
-        tok = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
-        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, TILE_N], log2 units
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _attend_tile(q, m, l, acc, pos, nmask, nmask[None, :], tables_ptr + seq * stride_table,
+                                 k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh, dims, dmask, qk_scale,
+                                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, QUANT, PRECISION)
     # Partials: acc [seq, head, split, HEAD_DIM], (m, l) [seq, head, split, 2]
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=rmask[:, None] & dmask[None, :])
@@ -223,18 +235,10 @@ def _prefill_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < kv_end
-        blk = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=nmask, other=0)
-        tok = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
-        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        s = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: key 0 is visible to every row
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m = m_new
+        visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
+        m, l, acc = _attend_tile(q, m, l, acc, pos, nmask, visible, tables_ptr + seq * stride_table,
+                                 k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh, dims, dmask, qk_scale,
+                                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, QUANT, PRECISION)
     o = acc / l[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
