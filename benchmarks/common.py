@@ -437,38 +437,6 @@ def tensor_bytes(model) -> dict:
 # -- engine knobs that may not exist yet ----------------------------------------------------------
 
 
-def engine_fields() -> set[str]:
-    import dataclasses
-
-    from tokenmill.config import EngineConfig
-
-    return {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-def attention_backend_kwargs(backend: str | None) -> dict:
-    """{"attention_backend": backend} when asked for and EngineConfig has the field; else {} (and a
-    line saying it is not available)."""
-    if backend is None:
-        return {}
-    if "attention_backend" not in engine_fields():
-        print(f"--attention-backend {backend}: not available (EngineConfig has no attention_backend field); "
-              "running the engine's only backend")
-        return {}
-    return {"attention_backend": backend}
-
-
-def cuda_graph_field() -> str | None:
-    """The EngineConfig field that switches CUDA graphs off (`enforce_eager`), or None when this
-    tokenmill has none."""
-    return "enforce_eager" if "enforce_eager" in engine_fields() else None
-
-
-def cuda_graph_kwargs(on: bool) -> dict:
-    if cuda_graph_field() is None:
-        raise ValueError("EngineConfig has no enforce_eager field")
-    return {"enforce_eager": not on}
-
-
 # -- report -------------------------------------------------------------------------------------
 
 

@@ -8,8 +8,8 @@ weight once, whatever the batch: weight bytes per step = the model's tensors les
 indexed per token (an untied embedding table, rotary caches), as `decode_latency.py` counts them.
 Fraction of bandwidth = weight bytes x steps/s / copy bandwidth.
 
-tokenmill, for each CUDA-graph setting (on a GPU, off and on when the EngineConfig has an
-`enforce_eager` field; otherwise the one way it runs, reported as "not available"), loaded once:
+tokenmill, for each CUDA-graph setting (on a GPU off and on, `enforce_eager`; on a CPU the one
+way it runs, reported as "not available"), loaded once:
 for each batch size B of `--batch-sizes`, one warm-up batch, then `--repeats` batches of B
 requests submitted together (`--prompt-len` prompt tokens each, cut from GPL-3 at distinct
 offsets; `--output-len` tokens, greedy, EOS ignored). They are prefilled in one step and then decode in lockstep, so a request's
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from common import (
-    RESULTS_DIR, TEXT_FILE, add_model_args, attention_backend_kwargs, benchmark_model, copy_bandwidth,
-    cuda_graph_field, cuda_graph_kwargs, cut_prompts, device_name, fmt, print_table, resolve_device, tensor_bytes,
+    RESULTS_DIR, TEXT_FILE, add_model_args, benchmark_model, copy_bandwidth,
+    cut_prompts, device_name, fmt, print_table, resolve_device, tensor_bytes,
     text_token_ids, write_report,
 )
 
@@ -59,10 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (exact: EOS is ignored)")
     p.add_argument("--repeats", type=int, default=3, help="measured batches per batch size (after one warm-up)")
     p.add_argument("--attention-backend", default=None,
-                   help="passed to the engine when its EngineConfig has an attention_backend field (else: not available)")
+                   choices=["auto", "torch", "triton"],
+                   help="the engine's attention backend (default: its own default, auto)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="measure only with (or without) CUDA graphs; default: both, when the EngineConfig has a "
-                        "enforce_eager field, on a GPU (else: not available)")
+                   help="measure only with (or without) CUDA graphs; default: both, on a GPU (on a CPU: not available)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV-cache budget (default: the engine's auto sizing)")
     p.add_argument("--bandwidth-mib", type=int, default=None,
@@ -164,13 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         # every prompt of a batch prefilled in one step, so the batch decodes in lockstep
         "max_num_batched_tokens": max(2048, max(args.batch_sizes) * args.prompt_len),
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        **attention_backend_kwargs(args.attention_backend),
+        **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
     }
-    graph_field = cuda_graph_field()
-    if graph_field is None:
-        print("CUDA graphs: not available (EngineConfig has no enforce_eager field); measuring the engine as it runs")
-        settings = [None]
-    elif device != "cuda":
+    if device != "cuda":
         print(f"CUDA graphs: not available on {device}; measuring the engine as it runs")
         settings = [None]
     else:
@@ -189,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     facts = {}
     for graphs in settings:
-        kwargs = engine_kwargs | (cuda_graph_kwargs(graphs) if graphs is not None else {})
+        kwargs = engine_kwargs | ({"enforce_eager": not graphs} if graphs is not None else {})
         label = "not available" if graphs is None else "on" if graphs else "off"
         print(f"tokenmill, CUDA graphs {label}: loading {model} ({kwargs}) ...", flush=True)
         rows, facts = run_setting(model, kwargs, args, prompts_by_batch)
@@ -232,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
             "output_len": args.output_len,
             "repeats": args.repeats,
             "engine_kwargs": engine_kwargs,
-            "cuda_graph_field": graph_field,
             "text_file": str(TEXT_FILE),
             "greedy": True,
             "ignore_eos": True,

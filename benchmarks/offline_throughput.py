@@ -19,7 +19,7 @@ raw number of generated tokens (batch size x longest output, per batch) is repor
 Both engines run in this one process, on the same device (`--device`, default cuda when
 available), with the same dtype and the same torch thread count; on a GPU the tokenmill engine is
 deleted and the CUDA cache emptied before Hugging Face loads. With `--attention-backends
-torch,triton` (when this tokenmill's EngineConfig has an attention_backend field) tokenmill runs
+torch,triton` tokenmill runs
 once per backend, each a fresh engine, and the backends are compared too.
 
     python benchmarks/offline_throughput.py                       # 64 requests, 32:512 in, 32:256 out
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from common import (
-    RESULTS_DIR, TEXT_FILE, OtherLoad, add_model_args, benchmark_model, busy_warning, device_name, engine_fields,
+    RESULTS_DIR, TEXT_FILE, OtherLoad, add_model_args, benchmark_model, busy_warning, device_name,
     hf_generate_batch, hf_pad_id, load_hf, print_table, resolve_device, run_hf, text_token_ids, write_report,
 )
 
@@ -98,8 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="tokenmill on CUDA with the KV cache sized automatically: the fraction of GPU memory it may use")
     p.add_argument("--attention-backends", default=None, metavar="NAME[,NAME]",
-                   help="tokenmill: run once per attention backend (e.g. torch,triton) when the EngineConfig has an "
-                        "attention_backend field (else: not available, one run); default: the engine's default")
+                   help="tokenmill: run once per attention backend (e.g. torch,triton); default: the engine's "
+                        "default (auto: triton on CUDA, torch on CPU)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads for both engines; None = tokenmill's default, the physical core count")
     p.add_argument("--skip-hf", action="store_true", help="run tokenmill only")
@@ -252,10 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         "num_threads": args.num_threads,
     }
     backends: list[str | None] = list(args.attention_backends) or [None]
-    if args.attention_backends and "attention_backend" not in engine_fields():
-        print(f"--attention-backends {','.join(args.attention_backends)}: not available (EngineConfig has no "
-              "attention_backend field); one run with the engine's only backend")
-        backends = [None]
 
     requests = tokenizer = model_path = warm_prompts = text_tokens = None
     tm_results: list[dict] = []
