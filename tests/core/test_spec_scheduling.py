@@ -131,3 +131,32 @@ def test_fixed_draft_length_when_not_adaptive():
     for _ in range(3):
         sched, _ = fake.step()
         assert len(sched.scheduled_spec_tokens["a"]) == 4
+
+
+def test_runner_is_asked_for_as_many_drafts_as_the_next_step_can_verify():
+    # Adaptive: one past the request's current draft length (it grows by at most one per step),
+    # capped at k; a draft model's lookahead slots are reserved for exactly that many.
+    for lookahead in (0, 4):
+        config = SchedulerConfig(64, 16, 256, True, num_speculative_tokens=4, spec_max_running=8, spec_lookahead=lookahead)
+        s = Scheduler(config, KVCacheManager(100, 4, enable_caching=False))
+        s.add_request(make_request("a", num_prompt=8, max_tokens=30))
+        fake = FakeSpecModel(s, wrong_at=0)  # every draft rejected: spec_k falls to 1
+        sched, _ = fake.step()  # prefill of 8 tokens: the first token is sampled
+        assert sched.num_drafts_to_propose == {"a": 4}
+        assert len(sched.scheduled_new_reqs[0].block_ids) == 2  # no lookahead reserved at admission
+        sched, _ = fake.step()  # verifies 4 drafts, all rejected: spec_k = 1
+        assert len(sched.scheduled_spec_tokens["a"]) == 4 and s.requests["a"].spec_k == 1
+        sched, _ = fake.step()
+        assert len(sched.scheduled_spec_tokens["a"]) == 1
+        assert sched.num_drafts_to_propose == {"a": 2}  # with a draft model: its 2 lookahead slots
+
+
+def test_no_drafts_asked_for_a_prefill_chunk_short_of_the_end_or_above_the_threshold():
+    s = make_scheduler(k=4, budget=4, max_running=1)
+    s.add_request(make_request("a", num_prompt=6))
+    fake = FakeSpecModel(s)
+    sched, _ = fake.step()  # 4 of 6 prompt tokens: nothing sampled
+    assert sched.propose_drafts and sched.num_drafts_to_propose == {}
+    s.add_request(make_request("b", num_prompt=2))
+    sched, _ = fake.step()
+    assert not sched.propose_drafts and sched.num_drafts_to_propose == {}

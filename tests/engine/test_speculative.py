@@ -122,6 +122,22 @@ def test_draft_model_self_draft_is_token_identical_and_always_accepted(default_m
     assert a.outputs[0].num_accepted_tokens == a.outputs[0].num_draft_tokens > 0
 
 
+def test_draft_model_catches_up_when_speculation_resumes(default_model_path, reference):
+    """Above the threshold (5 requests running, speculative_max_running=2) the draft model is
+    skipped; once three have finished, the two left catch up on the draft K/V they missed and
+    speculate for the rest of their output, every self-draft accepted and the output unchanged."""
+    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
+              speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3,
+              speculative_max_running=2)
+    outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    for i in (0, 2):  # the two longest (28 and 24 tokens) run alone at the end
+        out = outs[i].outputs[0]
+        assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
+    for i in (1, 4):  # the two shortest finish while all five run: never speculated
+        assert outs[i].outputs[0].num_draft_tokens == 0
+
+
 def test_unrelated_draft_model_with_a_small_kv_cache_is_token_identical(default_model_path, tiny_qwen2_dir):
     """A tiny random Qwen2 with the same tokenizer drafts badly: most drafts are rejected and
     rolled back, in both KV caches, while requests are preempted; the output must not change."""

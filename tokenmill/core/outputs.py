@@ -55,9 +55,11 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: per request, the draft tokens it verifies this step (they follow
     # its known tokens and are counted in num_scheduled_tokens); and whether the runner should
-    # propose drafts for the next step.
+    # propose drafts for the next step, and how many at most for each request it samples (its
+    # adaptive draft length, and for a draft model the lookahead slots reserved for their KV).
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     propose_drafts: bool = False
+    num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -113,6 +113,7 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         preempted_now = False
         spec_tokens: dict[str, list[int]] = {}
+        drafts_to_propose: dict[str, int] = {}
         speculate = self._speculation_on()
 
         # 1. Running requests, oldest first.
@@ -124,7 +125,7 @@ class Scheduler:
             lookahead = self._lookahead(req, num_new) if speculate else 0
             new_block_ids = self.kv.allocate_slots(req, num_new + len(drafts) + lookahead)
             if new_block_ids is None and (drafts or lookahead):  # no room to speculate: plain decode
-                drafts = []
+                drafts, lookahead = [], 0
                 new_block_ids = self.kv.allocate_slots(req, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()  # the newest; never one scheduled earlier this step
@@ -135,6 +136,8 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
             if new_block_ids is None:
                 break
+            if speculate and req.num_computed_tokens + num_new >= req.num_tokens:  # sampled this step
+                drafts_to_propose[req.request_id] = lookahead if self.config.spec_lookahead else self._next_num_drafts(req)
             if drafts:
                 spec_tokens[req.request_id] = drafts
                 num_new += len(drafts)
@@ -184,6 +187,10 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=lambda r: r.arrival_time)
             num_scheduled[req.request_id] = num_new
+            if speculate and req.num_computed_tokens + num_new >= req.num_tokens:
+                # No lookahead slots reserved at admission: a draft model uses what is free in
+                # the request's last block.
+                drafts_to_propose[req.request_id] = self._next_num_drafts(req)
             new_reqs.append(
                 NewRequestData(
                     req_id=req.request_id,
@@ -211,6 +218,7 @@ class Scheduler:
             blocks_to_copy=self.kv.take_copies(),
             scheduled_spec_tokens=spec_tokens,
             propose_drafts=speculate,
+            num_drafts_to_propose=drafts_to_propose,
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
@@ -237,11 +245,19 @@ class Scheduler:
         )
         return req.spec_token_ids[:k] if k > 0 else []
 
+    def _next_num_drafts(self, req: Request) -> int:
+        """The most drafts `req` can verify next step: its adaptive length after this step's
+        verification, which grows by at most one (`_record_verification`)."""
+        if not self.config.spec_adaptive:
+            return self.config.num_speculative_tokens
+        return min(self.config.num_speculative_tokens, req.spec_k + 1)
+
     def _lookahead(self, req: Request, num_new: int) -> int:
-        """Slots for a draft model's proposals after this step, if the step samples the request."""
+        """Slots for a draft model's proposals after this step, if the step samples the request:
+        as many as it may verify next step."""
         if not self.config.spec_lookahead or req.num_computed_tokens + num_new < req.num_tokens:
             return 0
-        return min(self.config.spec_lookahead, self.config.max_model_len - req.num_tokens)
+        return min(self.config.spec_lookahead, self._next_num_drafts(req), self.config.max_model_len - req.num_tokens)
 
     def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         req.num_draft_tokens += num_drafts

@@ -49,10 +49,12 @@ class CachedRequestState:
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    # Draft-model speculation: the draft's distribution for each proposed token, and whether a
-    # step ran without the draft model keeping its KV up to date (then it proposes nothing).
+    # Draft-model speculation: the draft's distribution for each proposed token; and how many
+    # of the request's first tokens have their draft K/V in the cache (steps run while nobody
+    # speculates skip the draft model; its K/V is caught up when speculation resumes). K/V
+    # adopted from the prefix cache or kept through a swap is counted as present.
     draft_probs: torch.Tensor | None = None
-    draft_stale: bool = False
+    draft_num_computed: int = 0
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -64,6 +66,7 @@ class CachedRequestState:
             data.eos_token_ids,
             list(data.block_ids),
             data.num_computed_tokens,
+            draft_num_computed=data.num_computed_tokens,
         )
 
 
@@ -89,7 +92,6 @@ class ModelRunner:
         models = [m for m in (self.model, self.draft_model) if m is not None]
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, CachedRequestState] = {}
-        self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer = (
             NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
             if config.speculative_method == "ngram" else None
@@ -252,6 +254,7 @@ class ModelRunner:
                 num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new_reqs},
                 total_num_scheduled_tokens=sum(len(r.token_ids) for r in new_reqs),
                 propose_drafts=config.speculative_method is not None,
+                num_drafts_to_propose={r.req_id: config.num_speculative_tokens for r in new_reqs},
             ))
         finally:
             self.requests.clear()
@@ -359,12 +362,13 @@ class ModelRunner:
             input_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
             positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
             hidden = self.model(input_t, positions_t, self.kv_caches, meta)
-        if self.draft_model is not None:
-            if sched.propose_drafts:  # the draft model's KV follows every computed token
-                self.draft_model(input_t, positions_t, self.draft_kv_caches, meta)
-            else:  # under load: skipped, and these requests' draft KV is incomplete for good
-                for req_id, _ in order:
-                    self.requests[req_id].draft_stale = True
+        if self.draft_model is not None and sched.propose_drafts:
+            # The draft model's K/V follows every computed token while anyone speculates (under
+            # load no draft model runs, and requests catch up here once speculation resumes).
+            self._catch_up_draft_kv(order)
+            self.draft_model(input_t, positions_t, self.draft_kv_caches, meta)
+            for req_id, num_new in order:
+                self.requests[req_id].draft_num_computed += num_new
         for req_id, num_new in order:
             self.requests[req_id].num_computed_tokens += num_new
         out = ModelRunnerOutput(sampled_token_ids={})
@@ -391,27 +395,56 @@ class ModelRunner:
             self._verify(logits[num_plain:], spec_jobs, out)
         if sched.propose_drafts and self.proposer is not None:
             for req_id in out.sampled_token_ids:
-                drafts = self.proposer.propose(self.requests[req_id].token_ids, self.num_speculative_tokens)
+                k = sched.num_drafts_to_propose.get(req_id, 0)
+                drafts = self.proposer.propose(self.requests[req_id].token_ids, k)
                 if drafts:
                     out.spec_token_ids[req_id] = drafts
         elif sched.propose_drafts and self.draft_model is not None:
-            self._propose_with_draft_model(list(out.sampled_token_ids), out)
+            self._propose_with_draft_model(list(out.sampled_token_ids), sched.num_drafts_to_propose, out)
         return out
 
-    def _propose_with_draft_model(self, req_ids: list[str], out: ModelRunnerOutput) -> None:
+    def _catch_up_draft_kv(self, order: list[tuple[str, int]]) -> None:
+        """Write the draft model's K/V for the tokens of this step's requests that earlier steps
+        computed without it (they ran while too many requests were running to speculate): one
+        draft forward over those tokens as prefill chunks, before the step's own draft forward.
+        It is outside the step's token budget; the draft model is small."""
+        bs = self.block_size
+        tokens, positions, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
+        for req_id, _ in order:
+            state = self.requests[req_id]
+            start, end = state.draft_num_computed, state.num_computed_tokens
+            if start >= end:
+                continue
+            tokens.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            q_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(state.block_ids[: -(-end // bs)])
+            state.draft_num_computed = end
+        if not tokens:
+            return
+        dev = self.device
+        meta = self.draft_model.attn_backend.build_metadata(BatchLayout(bs, slots, [], [], q_lens, seq_lens, tables), dev)
+        self.draft_model(torch.tensor(tokens, dtype=torch.long, device=dev),
+                         torch.tensor(positions, dtype=torch.long, device=dev), self.draft_kv_caches, meta)
+
+    def _propose_with_draft_model(self, req_ids: list[str], num_drafts: dict[str, int], out: ModelRunnerOutput) -> None:
         """Up to k drafts per request from the draft model: k batched single-token passes, pass i
         feeding each request's newest token (then its drafts) at position P + i and sampling the
         next draft from the draft's distribution, processed like the target's (temperature,
-        top-k/p, penalties). The K/V goes to the slots the scheduler reserved past the request's
-        tokens (its lookahead); a request gets as many drafts as it has reserved slots."""
+        top-k/p, penalties). k is the scheduler's `num_drafts` for the request (its adaptive
+        draft length, at most the lookahead slots reserved for the drafts' K/V), cut to the
+        free slots of its blocks."""
         bs = self.block_size
         jobs = []  # (state, position of its newest token, number of drafts to propose)
         for req_id in req_ids:
             state = self.requests[req_id]
             state.draft_probs = None
             pos = len(state.token_ids) - 1
-            n = min(self.num_speculative_tokens, len(state.block_ids) * bs - pos, self.max_model_len - 1 - pos)
-            if n > 0 and not state.draft_stale:
+            assert state.draft_num_computed == pos, f"{req_id}: draft K/V behind its tokens"
+            n = min(num_drafts.get(req_id, 0), len(state.block_ids) * bs - pos, self.max_model_len - 1 - pos)
+            if n > 0:
                 jobs.append((state, pos, n))
         if not jobs:
             return
@@ -457,6 +490,7 @@ class ModelRunner:
             tokens = verified.token_ids[j]
             state.token_ids.extend(tokens)
             state.num_computed_tokens -= len(drafts) + 1 - len(tokens)  # rejected drafts' KV is not kept
+            state.draft_num_computed = min(state.draft_num_computed, state.num_computed_tokens)
             out.sampled_token_ids[req_id] = tokens
             if state.sampling_params.logprobs is not None:
                 out.logprobs[req_id] = verified.logprobs[j]
