@@ -1,18 +1,23 @@
 #!/usr/bin/env python
-"""Speculative decoding (n-gram prompt lookup) off vs on, in one process, on the same model.
+"""Speculative decoding off vs on, in one process, on the same model: n-gram prompt lookup
+(the default) or a draft model (`--speculative-method draft --draft-model PATH`).
 
 Three engines are loaded side by side (same model, dtype, threads and KV budget):
   off          no speculation
-  on           speculative_method="ngram" with the default adaptive threshold
+  on           speculative_method `--speculative-method` with the default adaptive threshold
                (speculative_max_running = `--spec-max-running`, the config's default)
-  on-no-limit  the same without the threshold (speculative_max_running = 10**6)
+  on-no-limit  the same without the threshold (speculative_max_running = 10**6); only for the
+               sweep (`--skip-sweep` leaves both out)
 
 1. Batch 1, input-grounded tasks, greedy, EOS not ignored, `--max-tokens` per request, one
    request at a time, off and on alternating per prompt:
    - code: HumanEval problems (prompt + canonical solution) in a chat message
      "Rewrite this function with type hints: ...";
    - quote: a GPL-3 paragraph in a chat message "Quote the sentences of this text that mention
-     TOPIC: ...".
+     TOPIC: ...";
+   - complete: a HumanEval prompt (signature and docstring) in a chat message "Complete this
+     Python function: ..." (not input-grounded: what a draft model is for).
+   `--tasks` picks them (default code,quote).
    Decode tok/s = sum(n - 1) / sum(last token - first token) from the request metrics; wall tok/s
    = sum(n) / sum(wall time of the `chat` call); acceptance = accepted / draft tokens; accepted per
    verification = accepted / verifications (requests x steps that verified >= 1 draft). The
@@ -29,6 +34,8 @@ Three engines are loaded side by side (same model, dtype, threads and KV budget)
 
     python benchmarks/speculative.py
     python benchmarks/speculative.py --num-prompts 1 --concurrencies 1,2 --max-tokens 16 --sweep-max-tokens 16 --repeats 1   # smoke test
+    python benchmarks/speculative.py --model qwen-1.5b.gguf --speculative-method draft --draft-model qwen-0.5b.gguf \
+        --tasks complete,code --num-prompts 4 --skip-sweep   # the Qwen2.5-Coder pair of ../shared/MODELS.md
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ DEFAULT_OUTPUT = RESULTS_DIR / "speculative.json"
 NO_LIMIT = 10**6
 ENGINES = ("off", "on", "on-no-limit")
 CODE_INSTRUCTION = "Rewrite this function with type hints:\n\n```python\n{code}\n```"
+COMPLETE_INSTRUCTION = "Complete this Python function:\n\n```python\n{code}\n```"
+TASKS = ("code", "quote", "complete")
 QUOTE_INSTRUCTION = "Quote the sentences of this text that mention {topic}:\n\n{text}"
 # For each paragraph, the first of these it mentions is the topic of its quote prompt.
 QUOTE_TOPICS = (
@@ -67,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", default=d.model, help="model alias or path (.gguf file or HF directory)")
+    p.add_argument("--speculative-method", choices=("ngram", "draft"), default="ngram",
+                   help="how the 'on' engines draft: n-gram prompt lookup, or a draft model (--draft-model)")
+    p.add_argument("--draft-model", default=None, help="draft model path (same vocabulary) for --speculative-method draft")
+    p.add_argument("--quantization", choices=(None, "int8", "int4"), default=None, type=lambda x: x or None,
+                   help="weight-only quantization of every engine's linears (target and draft)")
+    p.add_argument("--tasks", default="code,quote", help=f"batch-1 tasks, comma-separated, from {','.join(TASKS)}")
+    p.add_argument("--skip-sweep", action="store_true", help="batch 1 only: no concurrency sweep, no on-no-limit engine")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="compute dtype of all three engines")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads; None = tokenmill's default, the physical core count")
@@ -92,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--concurrencies: expected comma-separated integers, got {args.concurrencies!r}")
     if not args.concurrencies or min(args.concurrencies) < 1:
         p.error("--concurrencies: need at least one value, each >= 1")
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not args.tasks or any(t not in TASKS for t in args.tasks):
+        p.error(f"--tasks: comma-separated, from {','.join(TASKS)}; got {','.join(args.tasks)!r}")
+    if (args.speculative_method == "draft") != (args.draft_model is not None):
+        p.error("--draft-model is needed exactly with --speculative-method draft")
     for name in ("num_prompts", "max_tokens", "sweep_max_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -114,6 +135,14 @@ def code_conversations(problems: list[dict], indices: list[int]) -> list[list[di
     return [
         [{"role": "user", "content": CODE_INSTRUCTION.format(code=(p["prompt"] + p["canonical_solution"]).strip("\n"))}]
         for p in (problems[i % len(problems)] for i in indices)
+    ]
+
+
+def complete_conversations(problems: list[dict], indices: list[int]) -> list[list[dict]]:
+    """One chat per problem index: complete the function from its signature and docstring."""
+    return [
+        [{"role": "user", "content": COMPLETE_INSTRUCTION.format(code=problems[i % len(problems)]["prompt"].strip("\n"))}]
+        for i in indices
     ]
 
 
@@ -381,18 +410,22 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill import LLM
 
     load_average_start = os.getloadavg()
-    base = {"dtype": args.dtype, "num_threads": args.num_threads, "kv_cache_memory_gb": args.kv_cache_memory_gb}
-    spec = {
-        "speculative_method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-        "speculative_ngram_min": args.ngram_min, "speculative_ngram_max": args.ngram_max, "speculative_adaptive": True,
-    }
+    base = {"dtype": args.dtype, "num_threads": args.num_threads, "kv_cache_memory_gb": args.kv_cache_memory_gb,
+            "quantization": args.quantization}
+    spec = {"speculative_method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+            "speculative_adaptive": True}
+    if args.speculative_method == "ngram":
+        spec.update(speculative_ngram_min=args.ngram_min, speculative_ngram_max=args.ngram_max)
+    else:
+        spec["draft_model"] = args.draft_model
     engine_kwargs = {
         "off": base,
         "on": {**base, **spec, "speculative_max_running": args.spec_max_running},
         "on-no-limit": {**base, **spec, "speculative_max_running": NO_LIMIT},
     }
+    names = ENGINES[:2] if args.skip_sweep else ENGINES
     engines, load_seconds = {}, {}
-    for name in ENGINES:
+    for name in names:
         print(f"loading {name} ...", flush=True)
         t0 = time.perf_counter()
         engines[name] = LLM(args.model, **engine_kwargs[name])
@@ -401,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(core.dtype).removeprefix("torch.")
     import torch
 
-    print(f"model {args.model} ({dtype}, {torch.get_num_threads()} threads); n-gram {args.ngram_min}..{args.ngram_max}, "
+    drafter = (f"n-gram {args.ngram_min}..{args.ngram_max}" if args.speculative_method == "ngram"
+               else f"draft model {args.draft_model}")
+    print(f"model {args.model} ({dtype}{', ' + args.quantization if args.quantization else ''}, "
+          f"{torch.get_num_threads()} threads); {drafter}, "
           f"up to {args.num_speculative_tokens} drafts, adaptive; load average at start "
           f"{' '.join(f'{x:.2f}' for x in load_average_start)}", flush=True)
     from tokenmill import SamplingParams
@@ -411,19 +447,24 @@ def main(argv: list[str] | None = None) -> int:
         llm.chat(warmup, SamplingParams(temperature=0.0, max_tokens=32))
 
     problems = humaneval_problems()
-    tasks = {
-        "code": code_conversations(problems, spread(args.num_prompts, len(problems))),
-        "quote": quote_conversations(args.num_prompts),
+    indices = spread(args.num_prompts, len(problems))
+    all_tasks = {
+        "code": lambda: code_conversations(problems, indices),
+        "quote": lambda: quote_conversations(args.num_prompts),
+        "complete": lambda: complete_conversations(problems, indices),
     }
+    tasks = {name: all_tasks[name]() for name in args.tasks}
     batch1 = {}
     for task, conversations in tasks.items():
         print(f"batch 1, {task}: {len(conversations)} prompts ...", flush=True)
         batch1[task] = run_batch1(engines, conversations, args.max_tokens)
 
-    print(f"sweep: concurrencies {args.concurrencies} ...", flush=True)
-    sweep = run_sweep(engines, code_conversations(problems, list(range(max(args.concurrencies)))), args.concurrencies,
-                      args.sweep_max_tokens, args.repeats)
-    last_ok, first_below = crossover(sweep)
+    sweep, last_ok, first_below = [], None, None
+    if not args.skip_sweep:
+        print(f"sweep: concurrencies {args.concurrencies} ...", flush=True)
+        sweep = run_sweep(engines, code_conversations(problems, list(range(max(args.concurrencies)))),
+                          args.concurrencies, args.sweep_max_tokens, args.repeats)
+        last_ok, first_below = crossover(sweep)
 
     print(f"\nbatch 1: greedy, EOS ends a request, at most {args.max_tokens} output tokens; {args.num_prompts} prompts "
           "per task, one at a time")
@@ -431,18 +472,19 @@ def main(argv: list[str] | None = None) -> int:
     print("decode tok/s = sum(n - 1) / sum(last - first token time); wall tok/s = sum(n) / sum(request wall time); "
           "acceptance = accepted / draft tokens; accepted/verif = accepted drafts per verifying step of a request; "
           "mismatches = requests whose greedy output differs between on and off (should be 0)")
-    print(f"\nconcurrency sweep: N code-editing requests at once, EOS ignored, {args.sweep_max_tokens} output tokens each; "
-          f"output tok/s = output tokens / wall time, median of {args.repeats}")
-    print_sweep(sweep, args.spec_max_running)
-    print("on verifs: verifications of the 'on' engine (0: its threshold kept speculation off, so on/off is noise); "
-          "spread: (max - min) / median over the repeats, the largest of the three engines; acceptance, "
-          "accepted/verif: on-no-limit; mismatches: requests whose output differs from off (on-no-limit / on)")
-    if last_ok is None:
-        verdict = f"on-no-limit is below 1.0x already at N={first_below}"
-    else:
-        verdict = (f"on-no-limit is >= 1.0x up to N={last_ok}"
-                   + (f", below from N={first_below}" if first_below else " (every N measured)"))
-    print(f"crossover: {verdict}; the 'on' engine's threshold: speculative_max_running={args.spec_max_running}")
+    if sweep:
+        print(f"\nconcurrency sweep: N code-editing requests at once, EOS ignored, {args.sweep_max_tokens} output tokens each; "
+              f"output tok/s = output tokens / wall time, median of {args.repeats}")
+        print_sweep(sweep, args.spec_max_running)
+        print("on verifs: verifications of the 'on' engine (0: its threshold kept speculation off, so on/off is noise); "
+              "spread: (max - min) / median over the repeats, the largest of the three engines; acceptance, "
+              "accepted/verif: on-no-limit; mismatches: requests whose output differs from off (on-no-limit / on)")
+        if last_ok is None:
+            verdict = f"on-no-limit is below 1.0x already at N={first_below}"
+        else:
+            verdict = (f"on-no-limit is >= 1.0x up to N={last_ok}"
+                       + (f", below from N={first_below}" if first_below else " (every N measured)"))
+        print(f"crossover: {verdict}; the 'on' engine's threshold: speculative_max_running={args.spec_max_running}")
 
     problems_found = []
     for task, r in batch1.items():
@@ -484,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
         config={
             "model": args.model,
             "dtype": dtype,
+            "speculative_method": args.speculative_method,
+            "draft_model": args.draft_model,
+            "quantization": args.quantization,
+            "tasks": args.tasks,
             "engines": engine_kwargs,
             "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens,
