@@ -59,26 +59,35 @@ def cut_prompts(text_ids: list[int], count: int, length: int) -> list[list[int]]
 CONFIG_NAMES = ("bf16", "int8", "int4")
 
 
+# A config name with this suffix runs without tokenmill's compiled CPU kernels (cpu_kernels=False).
+TORCH_OPS_SUFFIX = "-torchops"
+
+
 def parse_configs(text: str) -> list[str]:
-    """'bf16,int8,int4' -> the names, checked."""
+    """'bf16,int8,int4' -> the names, checked (each may end in TORCH_OPS_SUFFIX)."""
     names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIG_NAMES]
+    bad = [c for c in names if c.removesuffix(TORCH_OPS_SUFFIX) not in CONFIG_NAMES]
     if not names or bad:
-        raise ValueError(f"configs: expected a comma-separated subset of {','.join(CONFIG_NAMES)}, got {text!r}")
+        raise ValueError(f"configs: expected a comma-separated subset of {','.join(CONFIG_NAMES)} (each optionally "
+                         f"with the suffix {TORCH_OPS_SUFFIX}), got {text!r}")
     return names
 
 
 def config_kwargs(name: str, dtype: str) -> dict:
     """`LLM` keyword arguments of a named config: bf16 -> dtype `dtype` (bfloat16 unless overridden),
-    int8 / int4 -> weight-only quantization of the linears (compute dtype: the engine's default)."""
-    if name == "bf16":
-        return {"dtype": dtype}
-    return {"quantization": name}
+    int8 / int4 -> weight-only quantization of the linears (compute dtype: the engine's default);
+    NAME-torchops -> the same with PyTorch ops only (no compiled CPU kernels)."""
+    base = name.removesuffix(TORCH_OPS_SUFFIX)
+    kwargs = {"dtype": dtype} if base == "bf16" else {"quantization": base}
+    if name != base:
+        kwargs["cpu_kernels"] = False
+    return kwargs
 
 
 def config_label(name: str, dtype: str) -> str:
     """The config's name in tables: the bf16 line under another --dtype is named after it."""
-    return {"float32": "fp32"}.get(dtype, name) if name == "bf16" else name
+    base = name.removesuffix(TORCH_OPS_SUFFIX)
+    return ({"float32": "fp32"}.get(dtype, base) if base == "bf16" else base) + name[len(base):]
 
 
 # -- Hugging Face transformers --------------------------------------------------------------------

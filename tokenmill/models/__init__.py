@@ -12,13 +12,15 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2"
 
 
 def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype,
-                attention_backend: str = "torch") -> LlamaForCausalLM:
+                attention_backend: str = "torch", cpu_kernels=None) -> LlamaForCausalLM:
     """The checkpoint's model class on the CPU with plain nn.Linear layers, weights not loaded
     (`load_weights`, or `quantization.quantize.load_quantized_weights` for a quantized checkpoint),
-    attending with the backend named `attention_backend` (`layers.attention.make_backend`)."""
+    attending with the backend named `attention_backend` (`layers.attention.make_backend`);
+    `cpu_kernels` (the module of `layers.cpu_kernels.load()`, for a model that runs on the CPU)
+    serves its norms and the torch backend's decode attention."""
     arch = checkpoint.config
     model_cls = MODEL_CLASSES.get(arch.architecture)
     if model_cls is None:
         raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
     with torch.device("cpu"):
-        return model_cls(arch, make_backend(attention_backend), max_position, dtype)
+        return model_cls(arch, make_backend(attention_backend, cpu_kernels), max_position, dtype, cpu_kernels)

@@ -59,11 +59,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, cpu_kernels=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
         self.self_attn = LlamaAttention(config, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
         self.mlp = LlamaMLP(config)
 
     def forward(self, cos_sin, x, kv_cache: KVCache, meta) -> torch.Tensor:
@@ -82,14 +82,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_position: int, dtype: torch.dtype):
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_position: int, dtype: torch.dtype,
+                 cpu_kernels=None):
+        """cpu_kernels: the compiled CPU kernels module (`layers.cpu_kernels.load()`) for the norms,
+        or None for PyTorch ops; the attention backend brings its own."""
         super().__init__()
         self.config = config
         self.attn_backend = backend  # every layer's; its build_metadata makes the step's `meta`
         self.rotary = rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, cpu_kernels)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -80,6 +80,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.attention_backend = config.resolved_attention_backend(self.device.type)
+        # tokenmill's compiled CPU kernels (norms, and decode attention of the torch backend), or
+        # None: not on the CPU, turned off, a quantized KV cache, or they could not be built.
+        self.cpu_kernels = None
+        if self.device.type == "cpu" and config.cpu_kernels and not self.kv_quantized:
+            from tokenmill.layers import cpu_kernels
+
+            self.cpu_kernels = cpu_kernels.load()
         t0 = time.perf_counter()
         self.model = self._load_model(checkpoint, config, max_model_len)
         # Speculative decoding with a draft model: its own KV cache, under the same block
@@ -123,11 +130,12 @@ class ModelRunner:
             if qconfig is not None:
                 raise ConfigError("quantization", f"{checkpoint.source} is already quantized "
                                   f"({checkpoint.quantization.get('method')}); leave quantization unset")
-            model = build_model(checkpoint, max_model_len, self.dtype, self.attention_backend)
+            model = build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels)
             qconfig = quant_config_from_checkpoint(checkpoint.quantization)
             load_quantized_weights(model, dict(checkpoint.weights()), qconfig, self.device, self.dtype)
             return model.eval()
-        model = build_model(checkpoint, max_model_len, torch.float32 if qconfig else self.dtype, self.attention_backend)
+        model = build_model(checkpoint, max_model_len, torch.float32 if qconfig else self.dtype, self.attention_backend,
+                            self.cpu_kernels)
         model.load_weights(checkpoint.weights())
         if qconfig is not None:
             # Quantized from the checkpoint's fp32 weights and calibrated in fp32, exactly what

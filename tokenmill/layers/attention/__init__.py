@@ -14,10 +14,11 @@ from tokenmill.layers.attention.backend import (
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """The attention backend called `name` (one of ATTENTION_BACKENDS); Triton is imported only here."""
+def make_backend(name: str, cpu_kernels=None) -> AttentionBackend:
+    """The attention backend called `name` (one of ATTENTION_BACKENDS); Triton is imported only here.
+    The torch backend runs decodes through `cpu_kernels.paged_decode_attention` when given."""
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(decode_kernel=cpu_kernels)
     if name == "triton":
         from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
 

@@ -70,6 +70,10 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_seq_lens: list[int]
     prefill_block_ids: list[torch.Tensor]
+    # With a decode kernel (decode_groups then empty): every decode's blocks, padded with block 0
+    # to the longest, [num_decodes, max_num_blocks] int32, and context lengths [num_decodes] int32.
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):
@@ -89,17 +93,29 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Reference backend: plain PyTorch ops, any device, MHA/MQA/GQA."""
+    """Reference backend: plain PyTorch ops, any device, MHA/MQA/GQA.
 
-    def __init__(self, group_cost: int = 12):
+    With `decode_kernel` (the compiled CPU kernels, `layers.cpu_kernels`; a 2-tensor cache on
+    the CPU), decodes are attended by its `paged_decode_attention`, which reads the cache in
+    place through the block tables, instead of gathered padded groups and SDPA."""
+
+    def __init__(self, group_cost: int = 12, decode_kernel=None):
         self.group_cost = group_cost  # see split_by_length
+        self.decode_kernel = decode_kernel
 
     def build_metadata(self, layout: BatchLayout, device) -> AttentionMetadata:
+        tables = seq_lens = None
+        if self.decode_kernel is not None and layout.decode_tables:
+            width = max(len(t) for t in layout.decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.decode_tables], dtype=torch.int32)
+            seq_lens = torch.tensor(layout.decode_seq_lens, dtype=torch.int32)
         return AttentionMetadata(
             num_decodes=len(layout.decode_tables),
             slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=device),
-            decode_groups=build_decode_groups(layout.decode_tables, layout.decode_seq_lens, layout.block_size, device,
-                                              self.group_cost),
+            decode_block_tables=tables,
+            decode_seq_lens=seq_lens,
+            decode_groups=[] if tables is not None else build_decode_groups(
+                layout.decode_tables, layout.decode_seq_lens, layout.block_size, device, self.group_cost),
             prefill_query_lens=layout.prefill_query_lens,
             prefill_seq_lens=layout.prefill_seq_lens,
             # A chunk with no earlier context attends to its own K/V and reads no blocks.
@@ -109,32 +125,45 @@ class TorchAttentionBackend:
 
     def forward(self, query, key, value, kv_cache, meta, scale):
         _write_kv(kv_cache, meta.slot_mapping, key, value)
-
-        # A step of one part (one decode group, or one prefill chunk: batch-1 decode, a lone
-        # prompt) returns that part's result as is, without an output buffer and a copy.
-        single = len(meta.decode_groups) + len(meta.prefill_query_lens) == 1
-        out = None if single else torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        n = meta.num_decodes
+        if meta.decode_block_tables is not None:  # decodes through the kernel, into `out`
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            self.decode_kernel.paged_decode_attention(out[:n], query[:n], kv_cache[0], kv_cache[1],
+                                                      meta.decode_block_tables, meta.decode_seq_lens, scale)
+            self._prefill_chunks(query, key, value, kv_cache, meta, n, out, scale)
+            return out
+        if not meta.decode_groups and len(meta.prefill_query_lens) == 1:
+            # A lone prefill chunk: its result as is, without an output buffer and a copy.
+            return self._prefill_chunk(query, key, value, kv_cache, 0, meta.prefill_query_lens[0],
+                                       meta.prefill_seq_lens[0], meta.prefill_block_ids[0], scale)
+        if len(meta.decode_groups) == 1 and not meta.prefill_query_lens:  # one decode group likewise
+            return self._decode(query, kv_cache, meta.decode_groups[0], scale)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         start = 0
         for group in meta.decode_groups:
             end = start + group.num_seqs
-            o = self._decode(query[start:end], kv_cache, group, scale)
-            if single:
-                return o
-            out[start:end] = o
+            out[start:end] = self._decode(query[start:end], kv_cache, group, scale)
             start = end
-        for q_len, seq_len, block_ids in zip(meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_ids):
-            end = start + q_len
-            if seq_len == q_len:  # no earlier context: attend within the chunk
-                k, v = key[start:end], value[start:end]
-            else:
-                k, v = _gather(kv_cache, block_ids, query.dtype)
-                k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
-            o = self._prefill(query[start:end], k, v, seq_len - q_len, scale)
-            if single:
-                return o
-            out[start:end] = o
-            start = end
+        self._prefill_chunks(query, key, value, kv_cache, meta, start, out, scale)
         return out
+
+    def _prefill_chunks(self, query, key, value, kv_cache, meta, start: int, out: torch.Tensor, scale: float) -> None:
+        """Every prefill chunk of the step (their tokens start at flat index `start`) into `out`."""
+        for q_len, seq_len, block_ids in zip(meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_ids):
+            out[start : start + q_len] = self._prefill_chunk(query, key, value, kv_cache, start, q_len, seq_len,
+                                                             block_ids, scale)
+            start += q_len
+
+    def _prefill_chunk(self, query, key, value, kv_cache, start: int, q_len: int, seq_len: int,
+                       block_ids: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of the chunk at flat tokens start .. start + q_len - 1 (context: seq_len)."""
+        end = start + q_len
+        if seq_len == q_len:  # no earlier context: attend within the chunk
+            k, v = key[start:end], value[start:end]
+        else:
+            k, v = _gather(kv_cache, block_ids, query.dtype)
+            k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
+        return self._prefill(query[start:end], k, v, seq_len - q_len, scale)
 
     @staticmethod
     def _prefill(q, k, v, num_context, scale):

@@ -1,0 +1,200 @@
+// CPU kernels that PyTorch has no single op for, compiled at first use by
+// tokenmill/layers/cpu_kernels.py (torch.utils.cpp_extension, -O3 -march=native -ffast-math
+// -fopenmp: the OpenMP pragmas run on torch's own OpenMP runtime and threads, and -ffast-math
+// lets exp and the reductions vectorize; nothing here relies on infinities or NaNs).
+//
+// paged_decode_attention: one query token per sequence attending to its context in the paged
+//   KV cache, read in place through the block table (no gather), GQA-aware: the G query heads
+//   of a KV head share every K/V row they read. fp32 accumulation, exact softmax (two passes
+//   over K, one over V). Parallel over (sequence, KV head).
+// rms_norm: y = x * rsqrt(mean(x^2) + eps) * w in one pass over each row, fp32 accumulation,
+//   rounded once to x's dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// kHeadDim: the head size as a compile-time constant (fully unrolled and vectorized inner loops),
+// or 0 for any size, read at run time.
+template <typename T, int64_t kHeadDim>
+void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_row = query.stride(0), out_row = out.stride(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores, sums(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t len = lens[seq];
+      const int32_t* table = tables + seq * max_blocks;
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + seq * q_row + (kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
+      }
+      // scores[g][t] = q_g . k_t
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = std::min(block_size, len - t0);
+        const T* block = k_ptr + static_cast<int64_t>(table[t0 / block_size]) * block_stride + kv_head * head_dim;
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(block + j * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+            scores[g * len + t0 + j] = dot;
+          }
+        }
+      }
+      // softmax numerators and sums
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        float m = s[0];  // len >= 1 (the new token); no infinities (built with -ffast-math)
+        for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        sums[g] = sum;
+      }
+      // out_g = sum_t p[g][t] v_t / sum_g
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = std::min(block_size, len - t0);
+        const T* block = v_ptr + static_cast<int64_t>(table[t0 / block_size]) * block_stride + kv_head * head_dim;
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(block + j * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + t0 + j];
+            float* a = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = o_ptr + seq * out_row + (kv_head * group + g) * head_dim;
+        const float inv = 1.f / sums[g];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const T* x_ptr = x.data_ptr<T>();
+  const T* w_ptr = weight.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden), w(hidden);
+    load_row(w_ptr, w.data(), hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(x_ptr + r * hidden, row.data(), hidden);
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) ss += row[i] * row[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + feps);
+      T* dst = o_ptr + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) dst[i] = static_cast<T>(row[i] * inv * w[i]);
+    }
+  });
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+}  // namespace
+
+// out [num_seqs, num_heads, head_dim] (rows may be strided), query likewise; key_cache,
+// value_cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_tables
+// [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (context length, new token included).
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache,
+                                                                      &block_tables, &seq_lens}) {
+    check_cpu(*t, "every tensor");
+  }
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out: [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be [num_heads, head_dim] contiguous");
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be [num_heads, head_dim] contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
+              "key_cache and value_cache: contiguous, same shape");
+  TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
+              "head_dim must match and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, out and the cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.size(0) == query.size(0) &&
+                  seq_lens.size(0) == query.size(0),
+              "block_tables [num_seqs, max_blocks] and seq_lens [num_seqs]: contiguous int32");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < seq_lens.numel(); ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= block_tables.size(1) * key_cache.size(1),
+                "every seq_len must be >= 1 and fit in its block table row");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
+    switch (query.size(2)) {
+      case 64:
+        paged_decode_attention_impl<scalar_t, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+        break;
+      case 128:
+        paged_decode_attention_impl<scalar_t, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+        break;
+      default:
+        paged_decode_attention_impl<scalar_t, 0>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+    }
+  });
+}
+
+// x [rows, hidden] contiguous, weight [hidden] of x's dtype; returns a new tensor.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, hidden]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous(),
+              "weight: contiguous [hidden] of x's dtype");
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(out, x, weight, eps);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
+}
