@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers.attention import AttentionMetadata, TorchAttentionBackend, build_decode_groups, split_by_length
+from tokenmill.layers.attention import (
+    AttentionMetadata, BatchLayout, TorchAttentionBackend, build_decode_groups, split_by_length,
+)
 
 
 def test_split_by_length_balances_padding_against_groups():
@@ -35,23 +37,19 @@ def reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("group_cost", [0, 12, 10**9])  # many groups, some, one
-def test_paged_decode_and_chunked_prefill_match_reference(group_cost):
-    torch.manual_seed(0)
-    bs, kv_heads, heads, hd, scale = 4, 2, 6, 8, 0.3
-    decode_lens = sorted([1, 3, 4, 5, 9, 16, 17, 30])  # context incl. the new token, ascending
-    prefill = [(7, 7), (5, 12)]  # (chunk length, context length incl. the chunk)
+def random_step(dtype, bs, kv_heads, heads, hd, decode_lens, prefill, seed=0):
+    """A paged cache holding each sequence's earlier context (blocks scattered, block 0 unused),
+    this step's query/key/value and its BatchLayout; and each sequence's full K/V."""
+    g = torch.Generator().manual_seed(seed)
     seq_lens = decode_lens + [s for _, s in prefill]
-    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
-    key_cache = torch.zeros(num_blocks, bs, kv_heads, hd)
-    value_cache = torch.zeros_like(key_cache)
-    # Scatter each sequence's blocks over the cache in a shuffled order; block 0 stays unused.
-    free = (torch.randperm(num_blocks - 1) + 1).tolist()
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
-    full_k = [torch.randn(n, kv_heads, hd) for n in seq_lens]
-    full_v = [torch.randn(n, kv_heads, hd) for n in seq_lens]
     q_lens = [1] * len(decode_lens) + [c for c, _ in prefill]
-    # Earlier context is already in the cache; this step's tokens come in as key/value.
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
+    key_cache = torch.zeros(num_blocks, bs, kv_heads, hd, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    full_k = [torch.randn(n, kv_heads, hd, generator=g).to(dtype) for n in seq_lens]
+    full_v = [torch.randn(n, kv_heads, hd, generator=g).to(dtype) for n in seq_lens]
     new_k, new_v, slots = [], [], []
     for table, n, q_len, k, v in zip(tables, seq_lens, q_lens, full_k, full_v):
         for p in range(n):
@@ -63,7 +61,22 @@ def test_paged_decode_and_chunked_prefill_match_reference(group_cost):
                 slots.append(slot)
         new_k.append(k[n - q_len:])
         new_v.append(v[n - q_len:])
-    query = torch.randn(sum(q_lens), heads, hd)
+    nd = len(decode_lens)
+    layout = BatchLayout(bs, slots, tables[:nd], decode_lens, [c for c, _ in prefill], [s for _, s in prefill], tables[nd:])
+    # Queries as the model makes them: rows strided (q and k rotated together), head rows contiguous.
+    query = torch.randn(sum(q_lens), heads + kv_heads, hd, generator=g).to(dtype)[:, :heads]
+    return (key_cache, value_cache), query, torch.cat(new_k), torch.cat(new_v), layout, full_k, full_v, q_lens
+
+
+@pytest.mark.parametrize("group_cost", [0, 12, 10**9])  # many groups, some, one
+def test_paged_decode_and_chunked_prefill_match_reference(group_cost):
+    bs, kv_heads, heads, hd, scale = 4, 2, 6, 8, 0.3
+    decode_lens = sorted([1, 3, 4, 5, 9, 16, 17, 30])  # context incl. the new token, ascending
+    prefill = [(7, 7), (5, 12)]  # (chunk length, context length incl. the chunk)
+    (key_cache, value_cache), query, new_k, new_v, layout, full_k, full_v, q_lens = random_step(
+        torch.float32, bs, kv_heads, heads, hd, decode_lens, prefill)
+    tables = layout.decode_tables + layout.prefill_tables
+    slots = layout.slots
     groups = build_decode_groups(tables[: len(decode_lens)], decode_lens, bs, "cpu", group_cost)
     if group_cost == 0:  # one group per distinct block count
         assert len(groups) == len({-(-n // bs) for n in decode_lens})
@@ -74,6 +87,6 @@ def test_paged_decode_and_chunked_prefill_match_reference(group_cost):
         prefill_query_lens=[c for c, _ in prefill], prefill_seq_lens=[s for _, s in prefill],
         prefill_block_ids=[torch.tensor(t) for t in tables[len(decode_lens):]],
     )
-    out = TorchAttentionBackend().forward(query, torch.cat(new_k), torch.cat(new_v), (key_cache, value_cache), meta, scale)
+    out = TorchAttentionBackend().forward(query, new_k, new_v, (key_cache, value_cache), meta, scale)
     expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(query.split(q_lens), full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

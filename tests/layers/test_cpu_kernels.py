@@ -9,45 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.layers.test_attention import reference
+from tests.layers.test_attention import random_step, reference
 from tokenmill.layers import cpu_kernels
-from tokenmill.layers.attention import BatchLayout, TorchAttentionBackend
+from tokenmill.layers.attention import TorchAttentionBackend
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built here: {cpu_kernels.build_error()}")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def random_step(dtype, bs, kv_heads, heads, hd, decode_lens, prefill, seed=0):
-    """A paged cache holding each sequence's earlier context (blocks scattered, block 0 unused),
-    this step's query/key/value and its BatchLayout; and each sequence's full K/V."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = decode_lens + [s for _, s in prefill]
-    q_lens = [1] * len(decode_lens) + [c for c, _ in prefill]
-    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
-    key_cache = torch.zeros(num_blocks, bs, kv_heads, hd, dtype=dtype)
-    value_cache = torch.zeros_like(key_cache)
-    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
-    full_k = [torch.randn(n, kv_heads, hd, generator=g).to(dtype) for n in seq_lens]
-    full_v = [torch.randn(n, kv_heads, hd, generator=g).to(dtype) for n in seq_lens]
-    new_k, new_v, slots = [], [], []
-    for table, n, q_len, k, v in zip(tables, seq_lens, q_lens, full_k, full_v):
-        for p in range(n):
-            slot = table[p // bs] * bs + p % bs
-            if p < n - q_len:
-                key_cache.view(-1, kv_heads, hd)[slot] = k[p]
-                value_cache.view(-1, kv_heads, hd)[slot] = v[p]
-            else:
-                slots.append(slot)
-        new_k.append(k[n - q_len:])
-        new_v.append(v[n - q_len:])
-    nd = len(decode_lens)
-    layout = BatchLayout(bs, slots, tables[:nd], decode_lens, [c for c, _ in prefill], [s for _, s in prefill], tables[nd:])
-    # Queries as the model makes them: rows strided (q and k rotated together), head rows contiguous.
-    query = torch.randn(sum(q_lens), heads + kv_heads, hd, generator=g).to(dtype)[:, :heads]
-    return (key_cache, value_cache), query, torch.cat(new_k), torch.cat(new_v), layout, full_k, full_v, q_lens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
