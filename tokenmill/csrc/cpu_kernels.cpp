@@ -25,6 +25,22 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Calls visit(t, row) for t = 0 .. len - 1 with row = the token's K (or V) vector of `kv_head`
+// as floats, reading the paged cache `cache` through the sequence's block table.
+template <typename T, typename Visit>
+inline void for_each_cached_row(const T* cache, const int32_t* table, int64_t len, int64_t block_size,
+                                int64_t block_stride, int64_t token_stride, int64_t kv_head, int64_t head_dim,
+                                float* row, Visit&& visit) {
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t n = std::min(block_size, len - t0);
+    const T* block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + kv_head * head_dim;
+    for (int64_t j = 0; j < n; ++j) {
+      load_row(block + j * token_stride, row, head_dim);
+      visit(t0 + j, row);
+    }
+  }
+}
+
 // kHeadDim: the head size as a compile-time constant (fully unrolled and vectorized inner loops),
 // or 0 for any size, read at run time.
 template <typename T, int64_t kHeadDim>
@@ -58,20 +74,16 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
       // scores[g][t] = q_g . k_t
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = std::min(block_size, len - t0);
-        const T* block = k_ptr + static_cast<int64_t>(table[t0 / block_size]) * block_stride + kv_head * head_dim;
-        for (int64_t j = 0; j < n; ++j) {
-          load_row(block + j * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * head_dim;
-            float dot = 0.f;
+      for_each_cached_row(k_ptr, table, len, block_size, block_stride, token_stride, kv_head, head_dim, row.data(),
+                          [&](int64_t t, const float* k) {
+                            for (int64_t g = 0; g < group; ++g) {
+                              const float* qg = q.data() + g * head_dim;
+                              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-            scores[g * len + t0 + j] = dot;
-          }
-        }
-      }
+                              for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+                              scores[g * len + t] = dot;
+                            }
+                          });
       // softmax numerators and sums
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
@@ -87,19 +99,15 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
       }
       // out_g = sum_t p[g][t] v_t / sum_g
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = std::min(block_size, len - t0);
-        const T* block = v_ptr + static_cast<int64_t>(table[t0 / block_size]) * block_stride + kv_head * head_dim;
-        for (int64_t j = 0; j < n; ++j) {
-          load_row(block + j * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t0 + j];
-            float* a = acc.data() + g * head_dim;
+      for_each_cached_row(v_ptr, table, len, block_size, block_stride, token_stride, kv_head, head_dim, row.data(),
+                          [&](int64_t t, const float* v) {
+                            for (int64_t g = 0; g < group; ++g) {
+                              const float p = scores[g * len + t];
+                              float* a = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
-          }
-        }
-      }
+                              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+                            }
+                          });
       for (int64_t g = 0; g < group; ++g) {
         T* dst = o_ptr + seq * out_row + (kv_head * group + g) * head_dim;
         const float inv = 1.f / sums[g];

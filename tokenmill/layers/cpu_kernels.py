@@ -1,6 +1,6 @@
 """tokenmill's own CPU kernels (`tokenmill/csrc/cpu_kernels.cpp`), compiled for this machine at
 first use with `torch.utils.cpp_extension` (g++ and ninja; -O3 -march=native -ffast-math -fopenmp) and cached
-by torch under ~/.cache/torch_extensions (`TORCH_EXTENSIONS_DIR`), so one build (~1 min on 2
+by torch under ~/.cache/torch_extensions (`TORCH_EXTENSIONS_DIR`), so one build (~20 s on 2
 cores) serves every later process.
 
 - `paged_decode_attention`: decode attention read in place from the paged KV cache through the
