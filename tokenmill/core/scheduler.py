@@ -136,7 +136,7 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
             if new_block_ids is None:
                 break
-            if speculate and req.num_computed_tokens + num_new >= req.num_tokens:  # sampled this step
+            if speculate and self._samples(req, num_new):
                 drafts_to_propose[req.request_id] = lookahead if self.config.spec_lookahead else self._next_num_drafts(req)
             if drafts:
                 spec_tokens[req.request_id] = drafts
@@ -187,7 +187,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=lambda r: r.arrival_time)
             num_scheduled[req.request_id] = num_new
-            if speculate and req.num_computed_tokens + num_new >= req.num_tokens:
+            if speculate and self._samples(req, num_new):
                 # No lookahead slots reserved at admission: a draft model uses what is free in
                 # the request's last block.
                 drafts_to_propose[req.request_id] = self._next_num_drafts(req)
@@ -245,6 +245,12 @@ class Scheduler:
         )
         return req.spec_token_ids[:k] if k > 0 else []
 
+    @staticmethod
+    def _samples(req: Request, num_new: int) -> bool:
+        """Whether scheduling num_new of req's tokens (drafts not counted) reaches its last known
+        token, so that the step samples it."""
+        return req.num_computed_tokens + num_new >= req.num_tokens
+
     def _next_num_drafts(self, req: Request) -> int:
         """The most drafts `req` can verify next step: its adaptive length after this step's
         verification, which grows by at most one (`_record_verification`)."""
@@ -255,7 +261,7 @@ class Scheduler:
     def _lookahead(self, req: Request, num_new: int) -> int:
         """Slots for a draft model's proposals after this step, if the step samples the request:
         as many as it may verify next step."""
-        if not self.config.spec_lookahead or req.num_computed_tokens + num_new < req.num_tokens:
+        if not self.config.spec_lookahead or not self._samples(req, num_new):
             return 0
         return min(self.config.spec_lookahead, self._next_num_drafts(req), self.config.max_model_len - req.num_tokens)
 

@@ -370,15 +370,17 @@ class ModelRunner:
             input_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
             positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
             hidden = self.model(input_t, positions_t, self.kv_caches, meta)
-        if self.draft_model is not None and sched.propose_drafts:
+        drafted = self.draft_model is not None and sched.propose_drafts
+        if drafted:
             # The draft model's K/V follows every computed token while anyone speculates (under
             # load no draft model runs, and requests catch up here once speculation resumes).
             self._catch_up_draft_kv(order)
             self.draft_model(input_t, positions_t, self.draft_kv_caches, meta)
-            for req_id, num_new in order:
-                self.requests[req_id].draft_num_computed += num_new
         for req_id, num_new in order:
-            self.requests[req_id].num_computed_tokens += num_new
+            state = self.requests[req_id]
+            state.num_computed_tokens += num_new
+            if drafted:  # caught up, then this step's tokens
+                state.draft_num_computed = state.num_computed_tokens
         out = ModelRunnerOutput(sampled_token_ids={})
         for req_id, indices, targets in prompt_lp_jobs:
             out.prompt_logprobs[req_id] = self._token_logprobs(hidden, indices, targets)
