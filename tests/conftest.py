@@ -54,7 +54,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_checkpoint:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,  # room for the GSM8K few-shot prompts of the accuracy report
         rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=1,

@@ -149,7 +149,7 @@ def test_tiny_qwen2_dir_loads(tiny_qwen2_dir: Path) -> None:
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (2, 64, 128)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
     assert config.rope_theta == 10000.0
-    assert config.max_position_embeddings == 512
+    assert config.max_position_embeddings == 2048
     assert config.eos_token_ids == (2, 0)  # config.json's 2, merged with generation_config's [2, 0]
     assert checkpoint.tokenizer.chat_template
     reference = _hf_state_dict(tiny_qwen2_dir)

@@ -20,7 +20,9 @@ from tokenmill.config import ConfigError
 from tokenmill.models import build_model
 from tokenmill.models.loader import expected_weight_shapes
 from tokenmill.quantization.awq import awq_int4, output_error
-from tokenmill.quantization.calibration import calibration_sequences, calibration_texts, collect_stats
+from tokenmill.layers.linear import build_linear
+from tokenmill.models.loader import load_checkpoint
+from tokenmill.quantization.calibration import calibration_sequences, calibration_texts, collect_stats, quantize_sequentially
 from tokenmill.quantization.formats import dequantize_record, quantize_rows_int8, record_from_rtn
 from tokenmill.quantization.gptq import gptq_int4
 from tokenmill.quantization.smoothquant import smoothquant_w8a8
@@ -65,6 +67,70 @@ def test_default_model_int4_checkpoint_round_trip(default_model_path, default_ch
     # embedding: 165 MB against 270 MB in bf16
     num_params = sum(math.prod(shape) for shape in expected_weight_shapes(default_checkpoint.config).values())
     assert (out / "model.safetensors").stat().st_size < 0.65 * 2 * num_params
+
+
+def test_quantize_writes_and_prints_the_accuracy_report(tiny_qwen2_dir, tmp_path, capsys):
+    """The report of `tokenmill quantize`: original and quantized rows with every column, the
+    evaluated GSM8K problems kept out of the calibration data."""
+    out = tmp_path / "q"
+    assert main(["quantize", str(tiny_qwen2_dir), "--method", "int4", "--algorithm", "awq", "--calibration-samples", "2",
+                 "--calibration-seq-len", "64", "--ppl-max-windows", "1", "--gsm8k-problems", "3", "--gsm8k-max-tokens", "4",
+                 "-o", str(out)]) == 0
+    report = json.loads((out / "accuracy_report.json").read_text())
+    original, quantized = report["rows"]
+    assert report["gsm8k_problems"] == 3 and report["calibration"] == "gsm8k, 2 x 64 tokens"
+    assert report["perplexity_change"] == pytest.approx(quantized["perplexity"] / original["perplexity"] - 1)
+    for row in (original, quantized):
+        assert row["perplexity"] > 1 and len(row["gsm8k_predictions"]) == 3 and 0 <= row["gsm8k_correct"] <= 3
+        assert set(row["decode_tok_s"]) == {"1", "32"} and all(v > 0 for v in row["decode_tok_s"].values())
+        assert row["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # 2 layers, K and V, 2 heads of 16, bf16
+    # the tiny model is mostly its embedding and head (bf16 and int8 in the quantized one)
+    assert 0 < quantized["memory_mb"] < original["memory_mb"]
+    # a directory's size on disk is all its files: weights, config, tokenizer
+    assert original["disk_mb"] == pytest.approx(sum(f.stat().st_size for f in tiny_qwen2_dir.iterdir()) / 2**20)
+    markdown = (out / "accuracy_report.md").read_text()
+    assert markdown in capsys.readouterr().out
+    assert "| same GSM8K answer as original |" in markdown and markdown.count("\n| ") == 3  # header + 2 rows
+
+
+def test_sequential_calibration_sees_exactly_the_earlier_linears_quantized(tiny_qwen2_dir):
+    """quantize_sequentially takes the linears in forward order, and each one's statistics are
+    those of the model with every linear before it quantized and every later one not: equal to
+    collect_stats on a fresh model with just those earlier linears swapped."""
+    checkpoint = load_checkpoint(tiny_qwen2_dir)
+
+    def fresh():
+        model = build_model(checkpoint, 128, torch.float32)
+        model.load_weights(checkpoint.weights())
+        return model.eval()
+
+    def swap(model, name):
+        linear = model.get_submodule(name)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, build_linear("int4", record_from_rtn("int4", linear.weight.detach(), 32), linear.bias))
+
+    model = fresh()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    sequences = calibration_sequences(calibration_texts("gpl3"), checkpoint.tokenizer, 4, 64)
+    seen = {}
+
+    def quantize(name, stats):
+        seen[name] = stats
+        swap(model, name)
+
+    quantize_sequentially(model, sequences, names, quantize)
+    assert list(seen) == names == [f"layers.{i}.{p}" for i in range(2) for p in
+                                   ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    unquantized = collect_stats(fresh(), sequences, names)
+    for i, name in enumerate(names):
+        reference = fresh()
+        for earlier in names[:i]:
+            swap(reference, earlier)
+        expected = collect_stats(reference, sequences, [name])[name]
+        torch.testing.assert_close(seen[name].hessian, expected.hessian)
+        torch.testing.assert_close(seen[name].abs_max, expected.abs_max)
+        if i > 0:  # the earlier linears' int4 error reaches this one's inputs
+            assert not torch.allclose(seen[name].hessian, unquantized[name].hessian, rtol=1e-3, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

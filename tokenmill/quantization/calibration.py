@@ -11,8 +11,17 @@ for every linear layer's input x (rows = tokens), what the calibrated methods ne
 - `samples`: a fixed random subset of rows, for searches that quantize the activations
   themselves (SmoothQuant's α).
 
-The Hessians of all layers may not fit in memory for a large model (a 1.5B model needs ~9 GB in
-fp32); they are collected `max_stats_gb` at a time, one pass over the data per share.
+Two ways to collect them:
+
+- `collect_stats`: every layer sees what it sees in the unquantized model (one forward per share
+  of layers; the Hessians of all layers may not fit in memory for a large model — a 1.5B model
+  needs ~9 GB in fp32 — so they are collected `max_stats_gb` at a time).
+- `quantize_sequentially`: what quantization uses. Decoder layer by decoder layer, and inside a
+  layer linear by linear in forward order, each linear's statistics are taken with every linear
+  before it already quantized, and it is quantized at once: a layer's calibration compensates
+  for the error its inputs already carry (GPTQ's "true sequential" order). The hidden states
+  at the current layer's input are kept for all calibration tokens, so the cost is about two
+  forwards of the model, not one per layer.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +153,67 @@ def collect_stats(model: nn.Module, sequences: list[list[int]], names: list[str]
     return stats
 
 
+class _StopForward(Exception):
+    """Raised by a statistics hook: the rest of the layer's forward is not needed."""
+
+
+class _Batch:
+    """One batch of calibration sequences as the decoder layers see it: the hidden states at the
+    current layer's input, the rotary rows, the attention metadata and a one-layer scratch cache."""
+
+    def __init__(self, model: nn.Module, sequences: list[list[int]], block_size: int = 16):
+        input_ids, positions, self.meta, caches = _scratch_prefill(model, sequences, block_size, 1)
+        self.cache = caches[0]
+        self.cos_sin = model.rotary.lookup(positions)
+        self.x = model.embed_tokens(input_ids)  # as LlamaForCausalLM.forward begins
+
+    def run(self, layer: nn.Module) -> torch.Tensor:
+        return layer(self.cos_sin, self.x, self.cache, self.meta)
+
+
+@torch.inference_mode()
+def quantize_sequentially(model: nn.Module, sequences: list[list[int]], names: list[str],
+                          quantize: Callable[[str, LinearStats], None], sample_rows: int = 512,
+                          batch_tokens: int = 2048) -> None:
+    """Calibrate and quantize the linears `names` of `model` (a `LlamaForCausalLM`) in forward
+    order: `quantize(name, stats)` must swap the linear `name` for its quantized layer; the
+    statistics of every later linear are then taken through it (see the module docstring).
+    A decoder layer's linears are taken in their registration order, which is their forward
+    order in `LlamaDecoderLayer`."""
+    wanted = set(names)
+    batches = [_Batch(model, b) for b in _batches(sequences, batch_tokens)]
+    per_batch = math.ceil(sample_rows / len(batches))
+    for index, layer in enumerate(model.layers):
+        prefix = f"layers.{index}."
+        for local, module in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
+            name = prefix + local
+            if name not in wanted:
+                continue
+            acc = _Accumulator(module.in_features, per_batch, torch.Generator().manual_seed(len(wanted) + index))
+
+            def hook(_m, args, acc=acc):
+                acc.add(args[0])
+                raise _StopForward
+
+            handle = module.register_forward_pre_hook(hook)
+            try:
+                for batch in batches:
+                    try:
+                        batch.run(layer)
+                    except _StopForward:
+                        pass
+            finally:
+                handle.remove()
+            stats = acc.stats()
+            stats.samples = stats.samples[:sample_rows]
+            quantize(name, stats)
+        for batch in batches:
+            batch.x = batch.run(layer)
+    missed = wanted - {f"layers.{i}.{n}" for i, layer in enumerate(model.layers) for n, _ in layer.named_modules()}
+    if missed:
+        raise ValueError(f"quantize_sequentially: not linear layers of the decoder layers: {sorted(missed)[:4]}")
+
+
 def _batches(sequences: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:
     batches: list[list[list[int]]] = [[]]
     for seq in sequences:
@@ -154,10 +225,16 @@ def _batches(sequences: list[list[int]], batch_tokens: int) -> list[list[list[in
 
 def _prefill(model: nn.Module, sequences: list[list[int]], block_size: int = 16) -> None:
     """One forward over whole sequences, each attending only to itself (a scratch KV cache)."""
+    input_ids, positions, meta, caches = _scratch_prefill(model, sequences, block_size, model.config.num_hidden_layers)
+    model(input_ids, positions, caches, meta)
+
+
+def _scratch_prefill(model: nn.Module, sequences: list[list[int]], block_size: int, num_caches: int):
+    """The inputs of a prefill of whole `sequences`, each in consecutive blocks of its own:
+    (input_ids, positions, attention metadata, `num_caches` scratch (key, value) caches)."""
     config = model.config
     param = next(model.parameters())
     lengths = [len(s) for s in sequences]
-    # Each sequence in blocks of its own, consecutive.
     tables, slots = [], []
     for n in lengths:
         first = sum(len(t) for t in tables)
@@ -166,8 +243,8 @@ def _prefill(model: nn.Module, sequences: list[list[int]], block_size: int = 16)
     num_blocks = sum(len(t) for t in tables)
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     caches = [(torch.empty(shape, dtype=param.dtype, device=param.device), torch.empty(shape, dtype=param.dtype, device=param.device))
-              for _ in range(config.num_hidden_layers)]
+              for _ in range(num_caches)]
     input_ids = torch.tensor([t for s in sequences for t in s], device=param.device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(param.device)
     meta = model.attn_backend.build_metadata(BatchLayout(block_size, slots, [], [], lengths, lengths, tables), param.device)
-    model(input_ids, positions, caches, meta)
+    return input_ids, positions, meta, caches

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from pathlib import Path
 
 from tokenmill.config import INT4_GROUP_SIZES, QUANTIZATION_ALGORITHMS, QUANTIZATION_METHODS, EngineConfig
@@ -63,11 +62,10 @@ def add_quantize_parser(sub) -> None:
 def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
-    from tokenmill.models import build_model
     from tokenmill.models.loader import load_checkpoint
     from tokenmill.models.registry import resolve_model
-    from tokenmill.quantization.quantize import QuantConfig, linear_names, quantize_model, save_quantized
-    from tokenmill.quantization.report import ReportSettings, measure, write_report
+    from tokenmill.quantization.quantize import QuantConfig, quantize_checkpoint
+    from tokenmill.quantization.report import ReportSettings, disk_bytes, measure, write_report
 
     # Through the engine config, whose checks name the bad field (method/algorithm pairs, ranges).
     qconfig = QuantConfig.from_engine(EngineConfig(
@@ -80,29 +78,18 @@ def run_quantize(args: argparse.Namespace) -> int:
         raise ValueError(f"{source} is already quantized ({checkpoint.quantization.get('method')})")
     settings = ReportSettings(dtype=args.report_dtype, ppl_max_windows=args.ppl_max_windows,
                               gsm8k_problems=args.gsm8k_problems if args.report else 0, gsm8k_max_tokens=args.gsm8k_max_tokens)
-    problems, exclude = _report_problems(settings.gsm8k_problems)
+    problems, exclude = report_problems(settings.gsm8k_problems)
 
-    t0 = time.perf_counter()
-    model = build_model(checkpoint, args.calibration_seq_len, torch.float32)
-    model.load_weights(checkpoint.weights())
-    model.eval()
-    linears = set(linear_names(model))
-    save_dtype = getattr(torch, args.save_dtype)
-    state = {n: p.detach().to(save_dtype, copy=True) for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
-    biases = {n: model.get_submodule(n).bias.detach().clone() for n in linears if model.get_submodule(n).bias is not None}
-    records = quantize_model(model, qconfig, checkpoint.tokenizer, exclude_gsm8k=exclude)
     out = Path(args.output)
-    extra = {} if qconfig.algorithm == "rtn" else {"quantize_seconds": round(time.perf_counter() - t0, 1)}
-    save_quantized(out, state, records, biases, qconfig, checkpoint, extra)
-    print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MB) in {time.perf_counter() - t0:.1f} s")
-    del model, state, records
+    seconds = quantize_checkpoint(checkpoint, qconfig, out, getattr(torch, args.save_dtype), exclude)
+    print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MB) in {seconds:.1f} s")
     if not args.report:
         return 0
 
     label = f"{args.method} {args.algorithm}" + (f" g{args.group_size}" if args.method == "int4" else "")
     rows = [
-        measure(f"original ({source.name})", str(source), source.stat().st_size, settings, problems),
-        measure(label, str(out), (out / "model.safetensors").stat().st_size, settings, problems),
+        measure(f"original ({source.name})", str(source), disk_bytes(source), settings, problems),
+        measure(label, str(out), disk_bytes(out), settings, problems),
     ]
     header = {"source": str(source), "method": label, "dtype": settings.dtype, "gsm8k_problems": len(problems),
               "gsm8k_max_tokens": settings.gsm8k_max_tokens, "ppl_windows": settings.ppl_max_windows or "all",
@@ -112,7 +99,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_problems(num_problems: int):
+def report_problems(num_problems: int):
     """The report's GSM8K sample, and its test-set indices (calibration must not see them)."""
     if num_problems <= 0:
         return [], set()

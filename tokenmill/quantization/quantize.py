@@ -3,8 +3,8 @@
 Every method is a module swap: each `nn.Linear` of the model is replaced by the layer of its
 method (`tokenmill.layers.linear`), built from a record of tensors (`formats`). Round-to-nearest
 makes the record from the weight alone; the calibrated algorithms from the weight and the
-statistics of that layer's inputs on calibration data (`calibration.collect_stats`). The model
-code never branches on any of it.
+statistics of that layer's inputs on calibration data, layer after layer with the earlier ones
+already quantized (`calibration.quantize_sequentially`). The model code never branches on any of it.
 
 A quantized checkpoint (written by `tokenmill quantize`, read by `load_checkpoint`) is a
 directory: `config.json` (the architecture in Hugging Face's keys plus a `quantization_config`
@@ -73,27 +73,26 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
     The quantized layers keep their records as they are when the model is later cast to the
     compute dtype (only their bias follows)."""
     names = linear_names(model)
-    stats = None
+    records = {}
+
+    def quantize(name: str, stats) -> None:
+        linear = model.get_submodule(name)
+        bias = None if linear.bias is None else linear.bias.detach()
+        record = _record(qconfig.method_of(name), qconfig, linear.weight.detach(), stats)
+        records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
+        _replace(model, name, build_linear(qconfig.method_of(name), records[name], bias))
+
+    t0 = time.perf_counter()
     if qconfig.algorithm != "rtn":
-        t0 = time.perf_counter()
         texts = calibration.calibration_texts(qconfig.calibration, exclude_gsm8k)
         sequences = calibration.calibration_sequences(texts, tokenizer, qconfig.calibration_samples, qconfig.calibration_seq_len)
         calibrated = [n for n in names if qconfig.method_of(n) == qconfig.method and n != LM_HEAD]
-        stats = calibration.collect_stats(model, sequences, calibrated)
-        _log.info("calibration: %d windows of %d tokens from %s, %d layers, %.1f s", len(sequences),
-                  qconfig.calibration_seq_len, qconfig.calibration, len(calibrated), time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    records = {}
+        calibration.quantize_sequentially(model, sequences, calibrated, quantize)
+        _log.info("calibrated %d linear layers (%s) on %d windows of %d tokens from %s in %.1f s", len(calibrated),
+                  qconfig.algorithm, len(sequences), qconfig.calibration_seq_len, qconfig.calibration, time.perf_counter() - t0)
     for name in names:
-        linear = model.get_submodule(name)
-        bias = None if linear.bias is None else linear.bias.detach()
-        method = qconfig.method_of(name)
-        if method is None:
-            continue  # stays an nn.Linear (`convert_linears` makes it dense in the compute dtype)
-        layer_stats = stats.get(name) if stats else None
-        record = _record(method, qconfig, linear.weight.detach(), layer_stats)
-        records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
-        _replace(model, name, build_linear(method, records[name], bias))
+        if name not in records and qconfig.method_of(name) is not None:  # else it stays an nn.Linear
+            quantize(name, None)  # (`convert_linears` makes it dense in the compute dtype)
     _log.info("quantized %d linear layers (%s, %s) in %.1f s", len(records), qconfig.method, qconfig.algorithm, time.perf_counter() - t0)
     return records
 
@@ -122,6 +121,25 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 # --- checkpoint ---------------------------------------------------------------------------
+
+def quantize_checkpoint(checkpoint, qconfig: QuantConfig, directory: Path, save_dtype: torch.dtype = torch.bfloat16,
+                        exclude_gsm8k: set[int] = frozenset()) -> float:
+    """Quantize a loaded (unquantized) checkpoint on the CPU in fp32 and write it to `directory`
+    (`save_quantized`); the tensors left dense are stored in `save_dtype`. Returns the seconds taken."""
+    from tokenmill.models import build_model
+
+    t0 = time.perf_counter()
+    model = build_model(checkpoint, qconfig.calibration_seq_len, torch.float32)
+    model.load_weights(checkpoint.weights())
+    model.eval()
+    linears = set(linear_names(model))
+    state = {n: p.detach().to(save_dtype, copy=True) for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
+    biases = {n: model.get_submodule(n).bias.detach().clone() for n in linears if model.get_submodule(n).bias is not None}
+    records = quantize_model(model, qconfig, checkpoint.tokenizer, exclude_gsm8k=exclude_gsm8k)
+    extra = {} if qconfig.algorithm == "rtn" else {"quantize_seconds": round(time.perf_counter() - t0, 1)}
+    save_quantized(directory, state, records, biases, qconfig, checkpoint, extra)
+    return time.perf_counter() - t0
+
 
 def save_quantized(directory: Path, dense_state: dict[str, torch.Tensor],
                    records: dict[str, dict[str, torch.Tensor]], biases: dict[str, torch.Tensor],

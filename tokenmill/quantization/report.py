@@ -31,6 +31,8 @@ class ReportRow:
     memory_mb: float  # the model's weights as held by the engine
     decode_tok_s: dict[int, float]  # batch size -> output tokens/s
     seconds: float  # how long this row took to measure
+    kv_bytes_per_token: int = 0  # of the KV cache, all layers (its capacity per GiB follows)
+    gsm8k_predictions: list[str | None] | None = None  # per problem, normalized (None: no number)
 
 
 @dataclass
@@ -41,13 +43,14 @@ class ReportSettings:
     gsm8k_max_tokens: int = 256
 
 
-def measure(name: str, model: str, disk_bytes: int, settings: ReportSettings, problems) -> ReportRow:
+def measure(name: str, model: str, disk_bytes: int, settings: ReportSettings, problems, **engine) -> ReportRow:
+    """One row: `model` served by a fresh engine (`engine`: more LLM keyword arguments)."""
     from tokenmill import LLM
     from tokenmill.eval.gsm8k import evaluate_gsm8k
     from tokenmill.eval.perplexity import gpl3_perplexity
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=settings.dtype, max_num_seqs=max(THROUGHPUT_BATCHES + (len(problems),)))
+    llm = LLM(model, dtype=settings.dtype, max_num_seqs=max(THROUGHPUT_BATCHES + (len(problems),)), **engine)
     ppl = gpl3_perplexity(llm, max_windows=settings.ppl_max_windows)
     gsm = evaluate_gsm8k(llm, problems, max_tokens=settings.gsm8k_max_tokens) if problems else None
     speed = {b: decode_speed(llm, b) for b in THROUGHPUT_BATCHES}
@@ -55,7 +58,8 @@ def measure(name: str, model: str, disk_bytes: int, settings: ReportSettings, pr
         name=name, perplexity=ppl,
         gsm8k_accuracy=None if gsm is None else gsm.accuracy, gsm8k_correct=None if gsm is None else gsm.num_correct,
         disk_mb=disk_bytes / 2**20, memory_mb=model_bytes(llm.engine.core.runner.model) / 2**20,
-        decode_tok_s=speed, seconds=time.perf_counter() - t0,
+        decode_tok_s=speed, seconds=time.perf_counter() - t0, kv_bytes_per_token=llm.engine.core.runner.kv_bytes_per_token(),
+        gsm8k_predictions=None if gsm is None else [r.predicted for r in gsm.records],
     )
     del llm
     gc.collect()
@@ -73,6 +77,12 @@ def decode_speed(llm, batch: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
+def disk_bytes(path: Path) -> int:
+    """Size on disk of a model: the file, or every file of a directory."""
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     """Bytes of every tensor a module holds (parameters, buffers and the plain tensor attributes
     of the quantized layers), each counted once."""
@@ -85,19 +95,30 @@ def model_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def gsm8k_agreement(row: ReportRow, base: ReportRow) -> float | None:
+    """The share of GSM8K problems on which `row` predicts the same number as `base` (at a
+    model's accuracy floor, a finer signal of change than the exact-match count)."""
+    if row.gsm8k_predictions is None or base.gsm8k_predictions is None:
+        return None
+    pairs = list(zip(row.gsm8k_predictions, base.gsm8k_predictions, strict=True))
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
 def write_report(directory: Path, header: dict, rows: list[ReportRow]) -> str:
     """Write accuracy_report.json and accuracy_report.md into `directory`; return the Markdown."""
     base = rows[0]
     lines = [f"# Accuracy report: {header['method']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", "| model | GPL-3 ppl | vs original | GSM8K exact match | disk MB | memory MB | "
+    lines += ["", "| model | GPL-3 ppl | vs original | GSM8K exact match | same GSM8K answer as original | disk MB | memory MB | "
               + " | ".join(f"tok/s batch {b}" for b in THROUGHPUT_BATCHES) + " |",
-              "|---|---|---|---|---|---|" + "---|" * len(THROUGHPUT_BATCHES)]
+              "|---|---|---|---|---|---|---|" + "---|" * len(THROUGHPUT_BATCHES)]
     for row in rows:
         change = f"{(row.perplexity / base.perplexity - 1) * 100:+.2f}%"
         gsm = "–" if row.gsm8k_accuracy is None else f"{row.gsm8k_correct}/{header['gsm8k_problems']} ({row.gsm8k_accuracy:.1%})"
+        agree = gsm8k_agreement(row, base)
         speeds = " | ".join(f"{row.decode_tok_s[b]:.1f}" for b in THROUGHPUT_BATCHES)
-        lines.append(f"| {row.name} | {row.perplexity:.3f} | {change} | {gsm} | {row.disk_mb:.1f} | {row.memory_mb:.1f} | {speeds} |")
+        lines.append(f"| {row.name} | {row.perplexity:.3f} | {change} | {gsm} | {'–' if agree is None else f'{agree:.0%}'} "
+                     f"| {row.disk_mb:.1f} | {row.memory_mb:.1f} | {speeds} |")
     markdown = "\n".join(lines) + "\n"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "accuracy_report.md").write_text(markdown)
