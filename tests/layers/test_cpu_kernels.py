@@ -1,7 +1,8 @@
 """tokenmill's compiled CPU kernels (layers/cpu_kernels.py) against PyTorch: the torch attention
 backend with its decode kernel over a grid of shapes (GQA ratios, block sizes, head sizes with
 and without a specialized build, contexts crossing block boundaries, decodes mixed with prefill
-chunks), and RMSNorm against F.rms_norm. Skipped where the kernels cannot be built."""
+chunks), RMSNorm against F.rms_norm, and the rotary embedding + KV store against
+RotaryEmbedding.apply + index_copy_. Skipped where the kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -78,3 +79,48 @@ def test_rms_norm_matches_f_rms_norm(dtype, rows, hidden):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     else:  # rounded once to bf16: within one bf16 step of the fp32 result
         assert ((got.float() - expected).abs() <= expected.abs() * 2**-7 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,hd,n", [(9, 3, 64, 1), (9, 3, 64, 37), (4, 4, 8, 5), (8, 1, 128, 20)])
+def test_rope_write_kv_matches_rotary_apply_and_the_cache_store(dtype, heads, kv_heads, hd, n):
+    """What LlamaAttention does without the kernel: RotaryEmbedding.apply on the q/k part of the
+    fused qkv output, then k and v stored at their slots. Bit-identical in bf16 (the kernel rounds
+    each product and the sum as the PyTorch ops do); in fp32 the compiler may fuse a multiply-add."""
+    from tokenmill.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(hd, 4096, 10000.0, None, dtype)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd + 8, dtype=dtype)[:, 8:]  # strided rows, as a slice
+    positions = torch.randint(0, 4096, (n,))
+    cos_sin = rotary.lookup(positions)
+    num_blocks, block_size = 12, 16
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, hd, dtype=dtype) for _ in range(2)]
+    qk = kernels.rope_write_kv(qkv, *cos_sin, slots, *caches, heads, kv_heads)
+
+    expected = rotary.apply(qkv[:, : (heads + kv_heads) * hd].reshape(n, heads + kv_heads, hd), cos_sin)
+    exact = dtype == torch.bfloat16
+    torch.testing.assert_close(qk, expected, atol=0 if exact else 1e-6, rtol=0 if exact else 1e-6)
+    stored_k, stored_v = (c.view(-1, kv_heads, hd)[slots] for c in caches)
+    torch.testing.assert_close(stored_k, qk[:, heads:], atol=0, rtol=0)
+    torch.testing.assert_close(stored_v, qkv[:, (heads + kv_heads) * hd :].reshape(n, kv_heads, hd), atol=0, rtol=0)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not caches[0].view(-1, kv_heads, hd)[untouched].any() and not caches[1].view(-1, kv_heads, hd)[untouched].any()
+
+
+def test_rope_write_kv_refuses_bad_arguments():
+    from tokenmill.layers.rotary import RotaryEmbedding
+
+    cos_sin = RotaryEmbedding(8, 64, 10000.0, None, torch.float32).lookup(torch.arange(2))
+    qkv = torch.randn(2, (4 + 2 * 2) * 8)
+    caches = [torch.zeros(3, 4, 2, 8) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="slot out of the cache's range"):
+        kernels.rope_write_kv(qkv, *cos_sin, torch.tensor([0, 12]), *caches, 4, 2)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.rope_write_kv(qkv, *cos_sin, torch.tensor([0, 1], dtype=torch.int32), *caches, 4, 2)
+    with pytest.raises(RuntimeError, match="qkv"):
+        kernels.rope_write_kv(qkv[:, :-8], *cos_sin, torch.tensor([0, 1]), *caches, 4, 2)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.rope_write_kv(qkv.bfloat16(), *cos_sin, torch.tensor([0, 1]), *caches, 4, 2)

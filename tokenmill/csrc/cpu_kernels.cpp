@@ -9,6 +9,10 @@
 //   over K, one over V). Parallel over (sequence, KV head).
 // rms_norm: y = x * rsqrt(mean(x^2) + eps) * w in one pass over each row, fp32 accumulation,
 //   rounded once to x's dtype.
+// rope_write_kv: rotary embedding of the queries and keys of a fused qkv projection output, and
+//   the store of the rotated keys and the values into the paged KV cache: one call for what
+//   takes ~15 PyTorch ops. Rounds as the PyTorch ops do (each product, then the sum, to the
+//   dtype), so in bf16 its output is bit-identical to theirs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -139,6 +143,42 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
+template <typename T>
+void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& slot_mapping, at::Tensor& key_cache, at::Tensor& value_cache,
+                        int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t n = qkv.size(0), head_dim = key_cache.size(3), half = head_dim / 2;
+  const int64_t rotated = num_heads + num_kv_heads, kv_row = num_kv_heads * head_dim;
+  const T* qkv_ptr = qkv.data_ptr<T>();
+  const T* cos_ptr = cos.data_ptr<T>();
+  const T* sin_ptr = sin.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  T* k_ptr = key_cache.data_ptr<T>();
+  T* v_ptr = value_cache.data_ptr<T>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* x_row = qkv_ptr + t * qkv.stride(0);
+      const T* c = cos_ptr + t * cos.stride(0);
+      const T* s = sin_ptr + t * sin.stride(0);
+      T* o_row = o_ptr + t * rotated * head_dim;
+      for (int64_t h = 0; h < rotated; ++h) {
+        const T* x = x_row + h * head_dim;
+        T* o = o_row + h * head_dim;
+        // x * cos + roll(x, half) * signed_sin, each product rounded to T, then the sum.
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float a = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i])));
+          const float b = static_cast<float>(
+              static_cast<T>(static_cast<float>(x[(i + half) % head_dim]) * static_cast<float>(s[i])));
+          o[i] = static_cast<T>(a + b);
+        }
+      }
+      std::copy(o_row + num_heads * head_dim, o_row + rotated * head_dim, k_ptr + slots[t] * kv_row);
+      std::copy(x_row + rotated * head_dim, x_row + rotated * head_dim + kv_row, v_ptr + slots[t] * kv_row);
+    }
+  });
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -202,7 +242,48 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// qkv [n, (num_heads + 2 num_kv_heads) * head_dim] (rows may be strided); cos, sin [n, 1 or
+// absent, head_dim] of qkv's dtype (rows may be strided; sin's first half negated, as
+// RotaryEmbedding keeps it); slot_mapping [n] int64; key_cache, value_cache [num_blocks,
+// block_size, num_kv_heads, head_dim] contiguous. Returns the rotated queries and keys,
+// [n, num_heads + num_kv_heads, head_dim]; the rotated keys and the values are stored at
+// their slots.
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, at::Tensor key_cache, at::Tensor value_cache,
+                         int64_t num_heads, int64_t num_kv_heads) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &cos, &sin, &slot_mapping, &key_cache,
+                                                                      &value_cache}) {
+    check_cpu(*t, "every tensor");
+  }
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() && key_cache.size(2) == num_kv_heads,
+              "key_cache and value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  const int64_t head_dim = key_cache.size(3), n = qkv.size(0);
+  TORCH_CHECK(head_dim % 2 == 0 && num_heads % num_kv_heads == 0, "head_dim must be even, num_heads a multiple of num_kv_heads");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv: [n, (num_heads + 2 num_kv_heads) * head_dim] with contiguous rows");
+  const at::Tensor cos2 = cos.reshape({cos.size(0), -1}), sin2 = sin.reshape({sin.size(0), -1});
+  TORCH_CHECK(cos2.size(0) == n && sin2.size(0) == n && cos2.size(1) == head_dim && sin2.size(1) == head_dim &&
+                  cos2.stride(1) == 1 && sin2.stride(1) == 1,
+              "cos and sin: [n, head_dim] rows (a middle axis of 1 allowed)");
+  TORCH_CHECK(qkv.scalar_type() == key_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "qkv, cos, sin and the cache must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
+                  slot_mapping.is_contiguous(),
+              "slot_mapping: contiguous [n] int64");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot out of the cache's range");
+  at::Tensor out = at::empty({n, num_heads + num_kv_heads, head_dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
+    rope_write_kv_impl<scalar_t>(out, qkv, cos2, sin2, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of q and k + paged KV cache store (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
 }

@@ -22,7 +22,7 @@ KVCache = tuple[torch.Tensor, ...]  # (key, value), or 4 tensors when quantized:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, cpu_kernels=None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -34,15 +34,21 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary = rotary
         self.backend = backend
+        # The compiled CPU kernels (`layers.cpu_kernels`), whose `rope_write_kv` rotates q and k
+        # and stores k and v in a 2-tensor cache in one call, rounding as `rotary.apply` does.
+        self.kernel = cpu_kernels
 
     def forward(self, cos_sin, x, kv_cache: KVCache, meta) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Queries and keys are adjacent in the fused output: rotate them in one go.
-        qk = self.rotary.apply(qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [n, num_heads, head_dim]
+        fused = self.kernel is not None and len(kv_cache) == 2
+        if fused:
+            qk = self.kernel.rope_write_kv(qkv, *cos_sin, meta.slot_mapping, *kv_cache, self.num_heads, self.num_kv_heads)
+        else:  # queries and keys are adjacent in the fused output: rotate them in one go
+            qk = self.rotary.apply(qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_written=fused)  # [n, num_heads, head_dim]
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -62,7 +68,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, cpu_kernels=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, rotary, backend, cpu_kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
         self.mlp = LlamaMLP(config)
 
@@ -84,8 +90,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_position: int, dtype: torch.dtype,
                  cpu_kernels=None):
-        """cpu_kernels: the compiled CPU kernels module (`layers.cpu_kernels.load()`) for the norms,
-        or None for PyTorch ops; the attention backend brings its own."""
+        """cpu_kernels: the compiled CPU kernels module (`layers.cpu_kernels.load()`) for the norms
+        and the rotary embedding + KV store, or None for PyTorch ops; the attention backend brings
+        its own."""
         super().__init__()
         self.config = config
         self.attn_backend = backend  # every layer's; its build_metadata makes the step's `meta`

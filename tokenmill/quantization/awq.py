@@ -10,8 +10,10 @@ group's range is clipped (min and max shrunk by a searched ratio), minimizing th
 restricted to the group (the block-diagonal part of H): outliers no longer stretch the grid.
 Last, each group's scale and min are refitted by weighted least squares for its codes (and the
 codes re-rounded), a few times, keeping a group's refit only where its error drops. Measured on
-SmolLM2-135M at group 128 (GPL-3 perplexity, calibrated on GSM8K): 3 refits 20.38, none 20.62,
-10 refits 20.48 (more fits the calibration data, not the text).
+SmolLM2-135M at group 128, calibrated on 32 x 512 GSM8K tokens, output error on held-out GPL-3
+activations of 20 linears (5 layers x qkv/o/gate_up/down): 0.66x round-to-nearest's without
+refits, 0.59x with 3 (lower in all 20), 0.59x with 10. GPL-3 perplexity moves less than the
+choice of calibration windows does (20.62 -> 20.38 with 3 refits on one set of 64 windows).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ def awq_int4(weight: torch.Tensor, stats: LinearStats, group_size: int, grid: in
     hessian = stats.hessian / s[:, None] / s[None, :]  # of the inputs x / s that w * s sees
     _, scales, mins = clip_search_int4(w * s, group_size, hessian, clip_ratios)
     codes, scales, mins = refit_int4_groups(w * s, group_size, hessian, scales, mins, refits)
-    return {"codes": pack_int4(codes), "scales": scales, "mins": mins, "input_scale": 1 / s}
+    record = {"codes": pack_int4(codes), "scales": scales, "mins": mins}
+    if not torch.equal(s, torch.ones_like(s)):  # α = 0 won: no scaling, and no multiply at run time
+        record["input_scale"] = 1 / s
+    return record
 
 
 def awq_scale(w: torch.Tensor, stats: LinearStats, group_size: int, grid: int = 20) -> torch.Tensor:

@@ -88,6 +88,7 @@ class AttentionBackend(Protocol):
         kv_cache: tuple[torch.Tensor, ...],  # 2 tensors, or 4 when quantized (module docstring)
         meta,  # what build_metadata returned for this step
         scale: float,
+        kv_written: bool = False,  # key and value are already stored at meta.slot_mapping
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], not necessarily contiguous
         ...
 
@@ -123,8 +124,9 @@ class TorchAttentionBackend:
                                in zip(layout.prefill_tables, layout.prefill_seq_lens, layout.prefill_query_lens)],
         )
 
-    def forward(self, query, key, value, kv_cache, meta, scale):
-        _write_kv(kv_cache, meta.slot_mapping, key, value)
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_written=False):
+        if not kv_written:
+            _write_kv(kv_cache, meta.slot_mapping, key, value)
         n = meta.num_decodes
         if meta.decode_block_tables is not None:  # decodes through the kernel, into `out`
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -75,8 +75,10 @@ class TritonAttentionBackend:
             prefill_max_query_len=max(layout.prefill_query_lens, default=0),
         )
 
-    def forward(self, query, key, value, kv_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(key, value, meta.slot_mapping, kv_cache)
+    def forward(self, query, key, value, kv_cache, meta: PagedAttentionMetadata, scale: float,
+                kv_written: bool = False) -> torch.Tensor:
+        if not kv_written:
+            write_kv(key, value, meta.slot_mapping, kv_cache)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decodes
         if nd:
