@@ -85,8 +85,9 @@ def test_rms_norm_matches_f_rms_norm(dtype, rows, hidden):
 @pytest.mark.parametrize("heads,kv_heads,hd,n", [(9, 3, 64, 1), (9, 3, 64, 37), (4, 4, 8, 5), (8, 1, 128, 20)])
 def test_rope_write_kv_matches_rotary_apply_and_the_cache_store(dtype, heads, kv_heads, hd, n):
     """What LlamaAttention does without the kernel: RotaryEmbedding.apply on the q/k part of the
-    fused qkv output, then k and v stored at their slots. Bit-identical in bf16 (the kernel rounds
-    each product and the sum as the PyTorch ops do); in fp32 the compiler may fuse a multiply-add."""
+    fused qkv output, then k and v stored at their slots. Bit-identical (the kernel rounds each
+    product and the sum as the PyTorch ops do, no fused multiply-add); slot -1 rows (padding)
+    are rotated but not stored."""
     from tokenmill.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
@@ -96,15 +97,18 @@ def test_rope_write_kv_matches_rotary_apply_and_the_cache_store(dtype, heads, kv
     cos_sin = rotary.lookup(positions)
     num_blocks, block_size = 12, 16
     slots = torch.randperm(num_blocks * block_size)[:n]
+    if n > 1:
+        slots[-1] = -1
     caches = [torch.zeros(num_blocks, block_size, kv_heads, hd, dtype=dtype) for _ in range(2)]
     qk = kernels.rope_write_kv(qkv, *cos_sin, slots, *caches, heads, kv_heads)
 
     expected = rotary.apply(qkv[:, : (heads + kv_heads) * hd].reshape(n, heads + kv_heads, hd), cos_sin)
-    exact = dtype == torch.bfloat16
-    torch.testing.assert_close(qk, expected, atol=0 if exact else 1e-6, rtol=0 if exact else 1e-6)
+    torch.testing.assert_close(qk, expected, atol=0, rtol=0)
+    stored = slots >= 0
+    qk, qkv, slots = qk[stored], qkv[stored], slots[stored]
     stored_k, stored_v = (c.view(-1, kv_heads, hd)[slots] for c in caches)
     torch.testing.assert_close(stored_k, qk[:, heads:], atol=0, rtol=0)
-    torch.testing.assert_close(stored_v, qkv[:, (heads + kv_heads) * hd :].reshape(n, kv_heads, hd), atol=0, rtol=0)
+    torch.testing.assert_close(stored_v, qkv[:, (heads + kv_heads) * hd :].reshape(-1, kv_heads, hd), atol=0, rtol=0)
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
     assert not caches[0].view(-1, kv_heads, hd)[untouched].any() and not caches[1].view(-1, kv_heads, hd)[untouched].any()
@@ -116,8 +120,9 @@ def test_rope_write_kv_refuses_bad_arguments():
     cos_sin = RotaryEmbedding(8, 64, 10000.0, None, torch.float32).lookup(torch.arange(2))
     qkv = torch.randn(2, (4 + 2 * 2) * 8)
     caches = [torch.zeros(3, 4, 2, 8) for _ in range(2)]
-    with pytest.raises(RuntimeError, match="slot out of the cache's range"):
-        kernels.rope_write_kv(qkv, *cos_sin, torch.tensor([0, 12]), *caches, 4, 2)
+    for bad in (12, -2):
+        with pytest.raises(RuntimeError, match="slot out of the cache's range"):
+            kernels.rope_write_kv(qkv, *cos_sin, torch.tensor([0, bad]), *caches, 4, 2)
     with pytest.raises(RuntimeError, match="int64"):
         kernels.rope_write_kv(qkv, *cos_sin, torch.tensor([0, 1], dtype=torch.int32), *caches, 4, 2)
     with pytest.raises(RuntimeError, match="qkv"):

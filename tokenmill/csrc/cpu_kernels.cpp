@@ -143,11 +143,26 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
+// One head of x * cos + roll(x, half) * signed_sin, each product rounded to T, then the sum, as
+// PyTorch's separate ops round. Out of line with contraction off: -ffast-math would otherwise
+// fuse a product and the sum into one FMA in fp32 (bf16's explicit roundings prevent it there).
+template <typename T>
+__attribute__((noinline, optimize("fp-contract=off"))) void rope_head(const T* x, const T* c, const T* s, T* o,
+                                                                       int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < head_dim; ++i) {
+    const float a = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i])));
+    const float b = static_cast<float>(
+        static_cast<T>(static_cast<float>(x[i < half ? i + half : i - half]) * static_cast<float>(s[i])));
+    o[i] = static_cast<T>(a + b);
+  }
+}
+
 template <typename T>
 void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& slot_mapping, at::Tensor& key_cache, at::Tensor& value_cache,
                         int64_t num_heads, int64_t num_kv_heads) {
-  const int64_t n = qkv.size(0), head_dim = key_cache.size(3), half = head_dim / 2;
+  const int64_t n = qkv.size(0), head_dim = key_cache.size(3);
   const int64_t rotated = num_heads + num_kv_heads, kv_row = num_kv_heads * head_dim;
   const T* qkv_ptr = qkv.data_ptr<T>();
   const T* cos_ptr = cos.data_ptr<T>();
@@ -162,17 +177,8 @@ void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor
       const T* c = cos_ptr + t * cos.stride(0);
       const T* s = sin_ptr + t * sin.stride(0);
       T* o_row = o_ptr + t * rotated * head_dim;
-      for (int64_t h = 0; h < rotated; ++h) {
-        const T* x = x_row + h * head_dim;
-        T* o = o_row + h * head_dim;
-        // x * cos + roll(x, half) * signed_sin, each product rounded to T, then the sum.
-        for (int64_t i = 0; i < head_dim; ++i) {
-          const float a = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i])));
-          const float b = static_cast<float>(
-              static_cast<T>(static_cast<float>(x[(i + half) % head_dim]) * static_cast<float>(s[i])));
-          o[i] = static_cast<T>(a + b);
-        }
-      }
+      for (int64_t h = 0; h < rotated; ++h) rope_head(x_row + h * head_dim, c, s, o_row + h * head_dim, head_dim);
+      if (slots[t] < 0) continue;  // a padding row of a fixed-size batch (slot -1): nothing stored
       std::copy(o_row + num_heads * head_dim, o_row + rotated * head_dim, k_ptr + slots[t] * kv_row);
       std::copy(x_row + rotated * head_dim, x_row + rotated * head_dim + kv_row, v_ptr + slots[t] * kv_row);
     }
@@ -247,7 +253,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // RotaryEmbedding keeps it); slot_mapping [n] int64; key_cache, value_cache [num_blocks,
 // block_size, num_kv_heads, head_dim] contiguous. Returns the rotated queries and keys,
 // [n, num_heads + num_kv_heads, head_dim]; the rotated keys and the values are stored at
-// their slots.
+// their slots (slot -1: a padding row, not stored, as the Triton backend's write_kv does).
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, at::Tensor key_cache, at::Tensor value_cache,
                          int64_t num_heads, int64_t num_kv_heads) {
@@ -274,7 +280,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
               "slot_mapping: contiguous [n] int64");
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot out of the cache's range");
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= -1 && slots[i] < num_slots, "slot out of the cache's range");
   at::Tensor out = at::empty({n, num_heads + num_kv_heads, head_dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
     rope_write_kv_impl<scalar_t>(out, qkv, cos2, sin2, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads);
