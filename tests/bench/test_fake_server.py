@@ -83,10 +83,12 @@ def test_times_are_measured_from_each_requests_send(tmp_path, capsys):
     for r in reqs:
         assert DELAY <= r["ttft_s"] <= DELAY + SLACK < reqs[-1]["start_time_s"]
         assert r["output_tokens"] == 4 and len(r["itl_s"]) == 3 and r["num_output_events"] == 4
-    # the server saw each request when the client says it sent it (same clock, offsets compared)
+    # the server saw each request when the client says it sent it (same clock, offsets compared),
+    # within less than the 0.35 s between sends, so a record off by one request fails (a starved
+    # client on a busy 2-core CI machine measured 0.18 s between its timestamp and the arrival)
     sent = [r["start_time_s"] - reqs[0]["start_time_s"] for r in reqs]
     seen = [t - arrivals[0] for t in arrivals]
-    assert seen == pytest.approx(sent, abs=0.15)
+    assert seen == pytest.approx(sent, abs=0.3)
 
 
 def test_sweep_writes_all_runs_and_a_plot(tmp_path, capsys):
