@@ -46,9 +46,9 @@ class EngineConfig:
     # bucketed batch sizes (worker/cuda_graphs.py); True runs every step eagerly instead.
     enforce_eager: bool = False
     # CPU: tokenmill's compiled kernels (layers/cpu_kernels.py: paged decode attention read in
-    # place from the cache, RMSNorm), built for this machine at first use; if they cannot be
-    # built (no compiler), PyTorch ops with a warning. False: PyTorch ops only. Not used with a
-    # quantized KV cache (its decode stays on the PyTorch path) nor on CUDA.
+    # place from the cache, RMSNorm, RoPE + KV store), built for this machine at first use; if
+    # they cannot be built (no compiler), PyTorch ops with a warning. False: PyTorch ops only.
+    # Not used with an fp8 KV cache (its decode stays on the PyTorch path) nor on CUDA.
     cpu_kernels: bool = True
     # Quantization of the linear layers on load: None (the dtype's weights), "int8" (weight-only,
     # per output channel), "int4" (weight-only, asymmetric, groups of quantization_group_size

@@ -129,3 +129,26 @@ def test_rope_write_kv_refuses_bad_arguments():
         kernels.rope_write_kv(qkv[:, :-8], *cos_sin, torch.tensor([0, 1]), *caches, 4, 2)
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernels.rope_write_kv(qkv.bfloat16(), *cos_sin, torch.tensor([0, 1]), *caches, 4, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(6, 2, 8), (9, 3, 64), (8, 1, 128)])
+def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
+    """kv_cache_dtype int8: the kernel reads codes and per-token-head scales in place and agrees
+    with the PyTorch path, which dequantizes the gathered blocks (the same cache, the same step)."""
+    from tokenmill.layers.attention.kv_quant import quantize_kv
+
+    bs = 16
+    decode_lens = sorted([1, 3, 16, 17, 40, 5 * bs + 3])
+    cache, query, key, value, layout, *_ = random_step(dtype, bs, kv_heads, heads, hd, decode_lens, [(5, 2 * bs + 5)])
+    (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, torch.int8) for c in cache)
+    quantized = (key_codes, value_codes, key_scales, value_scales)
+    backend = TorchAttentionBackend(decode_kernel=kernels)
+    out = backend.forward(query, key, value, tuple(t.clone() for t in quantized), backend.build_metadata(layout, "cpu"), 0.3)
+    plain = TorchAttentionBackend()
+    expected = plain.forward(query, key, value, tuple(t.clone() for t in quantized), plain.build_metadata(layout, "cpu"), 0.3)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="both or neither"):
+        kernels.paged_decode_attention(out[:1], query[:1], key_codes, value_codes, backend.build_metadata(layout, "cpu").decode_block_tables[:1],
+                                       torch.tensor([1], dtype=torch.int32), 0.3, key_scales)

@@ -6,7 +6,8 @@
 // paged_decode_attention: one query token per sequence attending to its context in the paged
 //   KV cache, read in place through the block table (no gather), GQA-aware: the G query heads
 //   of a KV head share every K/V row they read. fp32 accumulation, exact softmax (two passes
-//   over K, one over V). Parallel over (sequence, KV head).
+//   over K, one over V). Parallel over (sequence, KV head). Reads an int8 cache (codes + one
+//   scale per token and KV head) too, with the scales folded into the scores and weights.
 // rms_norm: y = x * rsqrt(mean(x^2) + eps) * w in one pass over each row, fp32 accumulation,
 //   rounded once to x's dtype.
 // rope_write_kv: rotary embedding of the queries and keys of a fused qkv projection output, and
@@ -29,28 +30,33 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Calls visit(t, row) for t = 0 .. len - 1 with row = the token's K (or V) vector of `kv_head`
-// as floats, reading the paged cache `cache` through the sequence's block table.
-template <typename T, typename Visit>
-inline void for_each_cached_row(const T* cache, const int32_t* table, int64_t len, int64_t block_size,
-                                int64_t block_stride, int64_t token_stride, int64_t kv_head, int64_t head_dim,
-                                float* row, Visit&& visit) {
+// Calls visit(t, row, row_scale) for t = 0 .. len - 1 with row = the token's K (or V) vector of
+// `kv_head` as floats, reading the paged cache `cache` through the sequence's block table. An
+// int8 cache passes its codes and the token-head's scale (the vector is row * row_scale; the
+// visitor folds the scale into its dot product or weight); otherwise row_scale is 1.
+template <typename C, typename Visit>
+inline void for_each_cached_row(const C* cache, const float* scales, const int32_t* table, int64_t len,
+                                int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t num_kv_heads,
+                                int64_t kv_head, int64_t head_dim, float* row, Visit&& visit) {
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const int64_t n = std::min(block_size, len - t0);
-    const T* block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + kv_head * head_dim;
+    const int64_t block_id = table[t0 / block_size];
+    const C* block = cache + block_id * block_stride + kv_head * head_dim;
+    const float* block_scales = scales ? scales + (block_id * block_size) * num_kv_heads + kv_head : nullptr;
     for (int64_t j = 0; j < n; ++j) {
       load_row(block + j * token_stride, row, head_dim);
-      visit(t0 + j, row);
+      visit(t0 + j, row, block_scales ? block_scales[j * num_kv_heads] : 1.f);
     }
   }
 }
 
 // kHeadDim: the head size as a compile-time constant (fully unrolled and vectorized inner loops),
-// or 0 for any size, read at run time.
-template <typename T, int64_t kHeadDim>
+// or 0 for any size, read at run time. C: the cache's element type (T, or int8_t with scales).
+template <typename T, typename C, int64_t kHeadDim>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, double scale) {
+                                 const at::Tensor& seq_lens, double scale, const float* k_scales,
+                                 const float* v_scales) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -59,8 +65,8 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
   const int64_t max_blocks = block_tables.size(1);
   const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
   const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
+  const C* k_ptr = key_cache.data_ptr<C>();
+  const C* v_ptr = value_cache.data_ptr<C>();
   T* o_ptr = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -78,14 +84,14 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
       // scores[g][t] = q_g . k_t
-      for_each_cached_row(k_ptr, table, len, block_size, block_stride, token_stride, kv_head, head_dim, row.data(),
-                          [&](int64_t t, const float* k) {
+      for_each_cached_row(k_ptr, k_scales, table, len, block_size, block_stride, token_stride, num_kv_heads, kv_head,
+                          head_dim, row.data(), [&](int64_t t, const float* k, float k_scale) {
                             for (int64_t g = 0; g < group; ++g) {
                               const float* qg = q.data() + g * head_dim;
                               float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                               for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-                              scores[g * len + t] = dot;
+                              scores[g * len + t] = dot * k_scale;
                             }
                           });
       // softmax numerators and sums
@@ -103,10 +109,10 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
       }
       // out_g = sum_t p[g][t] v_t / sum_g
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_cached_row(v_ptr, table, len, block_size, block_stride, token_stride, kv_head, head_dim, row.data(),
-                          [&](int64_t t, const float* v) {
+      for_each_cached_row(v_ptr, v_scales, table, len, block_size, block_stride, token_stride, num_kv_heads, kv_head,
+                          head_dim, row.data(), [&](int64_t t, const float* v, float v_scale) {
                             for (int64_t g = 0; g < group; ++g) {
-                              const float p = scores[g * len + t];
+                              const float p = scores[g * len + t] * v_scale;
                               float* a = acc.data() + g * head_dim;
 #pragma omp simd
                               for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
@@ -194,9 +200,31 @@ void check_cpu(const at::Tensor& t, const char* name) {
 // out [num_seqs, num_heads, head_dim] (rows may be strided), query likewise; key_cache,
 // value_cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_tables
 // [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (context length, new token included).
+// An int8 cache (kv_cache_dtype int8) comes with key_scales, value_scales [num_blocks,
+// block_size, num_kv_heads] float32 contiguous: a vector is its codes times its scale.
+template <typename T, typename C>
+void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                       double scale, const float* k_scales, const float* v_scales) {
+  switch (query.size(2)) {
+    case 64:
+      paged_decode_attention_impl<T, C, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scales,
+                                            v_scales);
+      break;
+    case 128:
+      paged_decode_attention_impl<T, C, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                             k_scales, v_scales);
+      break;
+    default:
+      paged_decode_attention_impl<T, C, 0>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scales,
+                                           v_scales);
+  }
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& key_scales,
+                            const c10::optional<at::Tensor>& value_scales) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache,
                                                                       &block_tables, &seq_lens}) {
     check_cpu(*t, "every tensor");
@@ -208,8 +236,18 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               "key_cache and value_cache: contiguous, same shape");
   TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, out and the cache must share a dtype");
+  const bool quantized = key_scales.has_value();
+  TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (quantized ? key_cache.scalar_type() == at::kChar : query.scalar_type() == key_cache.scalar_type()),
+              "query, out and the cache must share a dtype (an int8 cache: with scales)");
+  if (quantized) {
+    for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
+      check_cpu(*t, "every tensor");
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_cache.sizes().slice(0, 3),
+                  "key_scales and value_scales: contiguous float32 [num_blocks, block_size, num_kv_heads]");
+    }
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.size(0) == query.size(0) &&
                   seq_lens.size(0) == query.size(0),
@@ -220,15 +258,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                 "every seq_len must be >= 1 and fit in its block table row");
   }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
-    switch (query.size(2)) {
-      case 64:
-        paged_decode_attention_impl<scalar_t, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
-        break;
-      case 128:
-        paged_decode_attention_impl<scalar_t, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
-        break;
-      default:
-        paged_decode_attention_impl<scalar_t, 0>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+    if (quantized) {
+      dispatch_head_dim<scalar_t, int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                          key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
+    } else {
+      dispatch_head_dim<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, nullptr,
+                                            nullptr);
     }
   });
 }
@@ -290,6 +325,9 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary embedding of q and k + paged KV cache store (CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", pybind11::arg("out"),
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("key_scales") = pybind11::none(),
+        pybind11::arg("value_scales") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
 }

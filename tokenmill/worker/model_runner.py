@@ -80,10 +80,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.attention_backend = config.resolved_attention_backend(self.device.type)
-        # tokenmill's compiled CPU kernels (norms, and decode attention of the torch backend), or
-        # None: not on the CPU, turned off, a quantized KV cache, or they could not be built.
+        # tokenmill's compiled CPU kernels (norms, RoPE + KV store, decode attention of the torch
+        # backend), or None: not on the CPU, turned off, an fp8 KV cache (the decode kernel reads
+        # the compute dtype or int8 codes), or they could not be built.
         self.cpu_kernels = None
-        if self.device.type == "cpu" and config.cpu_kernels and not self.kv_quantized:
+        if self.device.type == "cpu" and config.cpu_kernels and config.kv_cache_dtype != "fp8":
             from tokenmill.layers import cpu_kernels
 
             self.cpu_kernels = cpu_kernels.load()

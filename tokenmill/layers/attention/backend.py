@@ -96,9 +96,10 @@ class AttentionBackend(Protocol):
 class TorchAttentionBackend:
     """Reference backend: plain PyTorch ops, any device, MHA/MQA/GQA.
 
-    With `decode_kernel` (the compiled CPU kernels, `layers.cpu_kernels`; a 2-tensor cache on
-    the CPU), decodes are attended by its `paged_decode_attention`, which reads the cache in
-    place through the block tables, instead of gathered padded groups and SDPA."""
+    With `decode_kernel` (the compiled CPU kernels, `layers.cpu_kernels`; a cache of the compute
+    dtype or int8 codes + scales, on the CPU), decodes are attended by its
+    `paged_decode_attention`, which reads the cache in place through the block tables, instead
+    of gathered padded groups and SDPA."""
 
     def __init__(self, group_cost: int = 12, decode_kernel=None):
         self.group_cost = group_cost  # see split_by_length
@@ -131,7 +132,8 @@ class TorchAttentionBackend:
         if meta.decode_block_tables is not None:  # decodes through the kernel, into `out`
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             self.decode_kernel.paged_decode_attention(out[:n], query[:n], kv_cache[0], kv_cache[1],
-                                                      meta.decode_block_tables, meta.decode_seq_lens, scale)
+                                                      meta.decode_block_tables, meta.decode_seq_lens, scale,
+                                                      *kv_cache[2:])  # an int8 cache's scales
             self._prefill_chunks(query, key, value, kv_cache, meta, n, out, scale)
             return out
         if not meta.decode_groups and len(meta.prefill_query_lens) == 1:
