@@ -152,3 +152,27 @@ def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
     with pytest.raises(RuntimeError, match="both or neither"):
         kernels.paged_decode_attention(out[:1], query[:1], key_codes, value_codes, backend.build_metadata(layout, "cpu").decode_block_tables[:1],
                                        torch.tensor([1], dtype=torch.int32), 0.3, key_scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_quantizes_into_an_int8_cache_as_quantize_kv_does(dtype):
+    from tokenmill.layers.attention.kv_quant import quantize_kv
+    from tokenmill.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    heads, kv_heads, hd, n = 9, 3, 64, 23
+    rotary = RotaryEmbedding(hd, 4096, 10000.0, None, dtype)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, dtype=dtype)
+    qkv[3, (heads + kv_heads) * hd :] = 0  # an all-zero value vector: scale 0, codes 0
+    cos_sin = rotary.lookup(torch.randint(0, 4096, (n,)))
+    slots = torch.randperm(8 * 16)[:n]
+    codes = [torch.zeros(8, 16, kv_heads, hd, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.zeros(8, 16, kv_heads) for _ in range(2)]
+    qk = kernels.rope_write_kv(qkv, *cos_sin, slots, *codes, heads, kv_heads, *scales)
+    reference = rotary.apply(qkv[:, : (heads + kv_heads) * hd].reshape(n, heads + kv_heads, hd), cos_sin)
+    torch.testing.assert_close(qk, reference, atol=0, rtol=0)
+    for stored_codes, stored_scales, x in zip(codes, scales, (qk[:, heads:], qkv[:, (heads + kv_heads) * hd :].reshape(n, kv_heads, hd))):
+        expected_codes, expected_scales = quantize_kv(x, torch.int8)
+        torch.testing.assert_close(stored_codes.view(-1, kv_heads, hd)[slots], expected_codes, atol=0, rtol=0)
+        torch.testing.assert_close(stored_scales.view(-1, kv_heads)[slots], expected_scales, atol=0, rtol=0)
+    assert scales[1].view(-1, kv_heads)[slots[3]].eq(0).all()

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -164,10 +165,25 @@ __attribute__((noinline, optimize("fp-contract=off"))) void rope_head(const T* x
   }
 }
 
+// int8 codes and scale of one K or V vector as quantize_kv (layers/attention/kv_quant.py) makes
+// them: scale = amax / 127, codes = round-half-even(x / scale) (an all-zero vector: codes 0 over
+// the smallest normal). Exact IEEE division (no -ffast-math reciprocal), so the codes are
+// bit-identical to PyTorch's.
+template <typename T>
+__attribute__((noinline, optimize("no-fast-math"))) void quantize_row_int8(const T* x, int8_t* codes, float* scale,
+                                                                           int64_t n) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float s = amax / 127.f;
+  const float divisor = std::max(s, std::numeric_limits<float>::min());
+  for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) / divisor));
+  *scale = s;
+}
+
 template <typename T>
 void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& slot_mapping, at::Tensor& key_cache, at::Tensor& value_cache,
-                        int64_t num_heads, int64_t num_kv_heads) {
+                        int64_t num_heads, int64_t num_kv_heads, float* k_scales, float* v_scales) {
   const int64_t n = qkv.size(0), head_dim = key_cache.size(3);
   const int64_t rotated = num_heads + num_kv_heads, kv_row = num_kv_heads * head_dim;
   const T* qkv_ptr = qkv.data_ptr<T>();
@@ -175,8 +191,19 @@ void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor
   const T* sin_ptr = sin.data_ptr<T>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
-  T* k_ptr = key_cache.data_ptr<T>();
-  T* v_ptr = value_cache.data_ptr<T>();
+  // The cache holds T, or int8 codes when scales are given.
+  void* k_base = key_cache.data_ptr();
+  void* v_base = value_cache.data_ptr();
+  const auto store = [&](const T* x, void* base, float* scales, int64_t slot) {
+    if (scales) {
+      int8_t* codes = static_cast<int8_t*>(base) + slot * kv_row;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        quantize_row_int8(x + h * head_dim, codes + h * head_dim, scales + slot * num_kv_heads + h, head_dim);
+      }
+    } else {
+      std::copy(x, x + kv_row, static_cast<T*>(base) + slot * kv_row);
+    }
+  };
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* x_row = qkv_ptr + t * qkv.stride(0);
@@ -185,8 +212,8 @@ void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor
       T* o_row = o_ptr + t * rotated * head_dim;
       for (int64_t h = 0; h < rotated; ++h) rope_head(x_row + h * head_dim, c, s, o_row + h * head_dim, head_dim);
       if (slots[t] < 0) continue;  // a padding row of a fixed-size batch (slot -1): nothing stored
-      std::copy(o_row + num_heads * head_dim, o_row + rotated * head_dim, k_ptr + slots[t] * kv_row);
-      std::copy(x_row + rotated * head_dim, x_row + rotated * head_dim + kv_row, v_ptr + slots[t] * kv_row);
+      store(o_row + num_heads * head_dim, k_base, k_scales, slots[t]);
+      store(x_row + rotated * head_dim, v_base, v_scales, slots[t]);
     }
   });
 }
@@ -289,9 +316,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // block_size, num_kv_heads, head_dim] contiguous. Returns the rotated queries and keys,
 // [n, num_heads + num_kv_heads, head_dim]; the rotated keys and the values are stored at
 // their slots (slot -1: a padding row, not stored, as the Triton backend's write_kv does).
+// An int8 cache (codes) comes with key_scales, value_scales [num_blocks, block_size,
+// num_kv_heads] float32: each vector is quantized as quantize_kv does, bit-identically.
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, at::Tensor key_cache, at::Tensor value_cache,
-                         int64_t num_heads, int64_t num_kv_heads) {
+                         int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& key_scales,
+                         const c10::optional<at::Tensor>& value_scales) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &cos, &sin, &slot_mapping, &key_cache,
                                                                       &value_cache}) {
     check_cpu(*t, "every tensor");
@@ -307,9 +337,19 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   TORCH_CHECK(cos2.size(0) == n && sin2.size(0) == n && cos2.size(1) == head_dim && sin2.size(1) == head_dim &&
                   cos2.stride(1) == 1 && sin2.stride(1) == 1,
               "cos and sin: [n, head_dim] rows (a middle axis of 1 allowed)");
-  TORCH_CHECK(qkv.scalar_type() == key_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
-                  sin.scalar_type() == qkv.scalar_type(),
-              "qkv, cos, sin and the cache must share a dtype");
+  const bool quantized = key_scales.has_value();
+  TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (quantized ? key_cache.scalar_type() == at::kChar : qkv.scalar_type() == key_cache.scalar_type()),
+              "qkv, cos, sin and the cache must share a dtype (an int8 cache: with scales)");
+  if (quantized) {
+    for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
+      check_cpu(*t, "every tensor");
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_cache.sizes().slice(0, 3),
+                  "key_scales and value_scales: contiguous float32 [num_blocks, block_size, num_kv_heads]");
+    }
+  }
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
                   slot_mapping.is_contiguous(),
               "slot_mapping: contiguous [n] int64");
@@ -318,13 +358,19 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= -1 && slots[i] < num_slots, "slot out of the cache's range");
   at::Tensor out = at::empty({n, num_heads + num_kv_heads, head_dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
-    rope_write_kv_impl<scalar_t>(out, qkv, cos2, sin2, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads);
+    rope_write_kv_impl<scalar_t>(out, qkv, cos2, sin2, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads,
+                                 quantized ? key_scales->data_ptr<float>() : nullptr,
+                                 quantized ? value_scales->data_ptr<float>() : nullptr);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of q and k + paged KV cache store (CPU)");
+  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of q and k + paged KV cache store (CPU)",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slot_mapping"),
+        pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("num_heads"),
+        pybind11::arg("num_kv_heads"), pybind11::arg("key_scales") = pybind11::none(),
+        pybind11::arg("value_scales") = pybind11::none());
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", pybind11::arg("out"),
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("key_scales") = pybind11::none(),

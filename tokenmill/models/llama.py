@@ -35,16 +35,18 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         # The compiled CPU kernels (`layers.cpu_kernels`), whose `rope_write_kv` rotates q and k
-        # and stores k and v in a 2-tensor cache in one call, rounding as `rotary.apply` does.
+        # and stores k and v (or their int8 codes and scales) in one call, rounding as
+        # `rotary.apply` and `quantize_kv` do.
         self.kernel = cpu_kernels
 
     def forward(self, cos_sin, x, kv_cache: KVCache, meta) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        fused = self.kernel is not None and len(kv_cache) == 2
-        if fused:
-            qk = self.kernel.rope_write_kv(qkv, *cos_sin, meta.slot_mapping, *kv_cache, self.num_heads, self.num_kv_heads)
+        fused = self.kernel is not None  # (the runner has no kernels with an fp8 cache)
+        if fused:  # (an int8 cache: codes, codes, scales, scales)
+            qk = self.kernel.rope_write_kv(qkv, *cos_sin, meta.slot_mapping, kv_cache[0], kv_cache[1], self.num_heads,
+                                           self.num_kv_heads, *kv_cache[2:])
         else:  # queries and keys are adjacent in the fused output: rotate them in one go
             qk = self.rotary.apply(qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
