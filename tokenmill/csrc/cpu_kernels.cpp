@@ -222,6 +222,25 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
+// The cache holds `compute` (no scales), or int8 codes with float32 scales [num_blocks,
+// block_size, num_kv_heads] for both K and V. Returns whether it is int8.
+bool check_cache_dtype(at::ScalarType compute, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                       const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales) {
+  const bool quantized = key_scales.has_value();
+  TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
+                  key_cache.scalar_type() == (quantized ? at::kChar : compute),
+              "the cache must hold the compute dtype (without scales) or int8 codes (with scales)");
+  if (quantized) {
+    for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
+      check_cpu(*t, "every tensor");
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_cache.sizes().slice(0, 3),
+                  "key_scales and value_scales: contiguous float32 [num_blocks, block_size, num_kv_heads]");
+    }
+  }
+  return quantized;
+}
+
 }  // namespace
 
 // out [num_seqs, num_heads, head_dim] (rows may be strided), query likewise; key_cache,
@@ -263,18 +282,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               "key_cache and value_cache: contiguous, same shape");
   TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
-  const bool quantized = key_scales.has_value();
-  TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
-                  (quantized ? key_cache.scalar_type() == at::kChar : query.scalar_type() == key_cache.scalar_type()),
-              "query, out and the cache must share a dtype (an int8 cache: with scales)");
-  if (quantized) {
-    for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
-      check_cpu(*t, "every tensor");
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_cache.sizes().slice(0, 3),
-                  "key_scales and value_scales: contiguous float32 [num_blocks, block_size, num_kv_heads]");
-    }
-  }
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
+  const bool quantized = check_cache_dtype(query.scalar_type(), key_cache, value_cache, key_scales, value_scales);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.size(0) == query.size(0) &&
                   seq_lens.size(0) == query.size(0),
@@ -337,19 +346,9 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   TORCH_CHECK(cos2.size(0) == n && sin2.size(0) == n && cos2.size(1) == head_dim && sin2.size(1) == head_dim &&
                   cos2.stride(1) == 1 && sin2.stride(1) == 1,
               "cos and sin: [n, head_dim] rows (a middle axis of 1 allowed)");
-  const bool quantized = key_scales.has_value();
-  TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  (quantized ? key_cache.scalar_type() == at::kChar : qkv.scalar_type() == key_cache.scalar_type()),
-              "qkv, cos, sin and the cache must share a dtype (an int8 cache: with scales)");
-  if (quantized) {
-    for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
-      check_cpu(*t, "every tensor");
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_cache.sizes().slice(0, 3),
-                  "key_scales and value_scales: contiguous float32 [num_blocks, block_size, num_kv_heads]");
-    }
-  }
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "qkv, cos and sin must share a dtype");
+  const bool quantized = check_cache_dtype(qkv.scalar_type(), key_cache, value_cache, key_scales, value_scales);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
                   slot_mapping.is_contiguous(),
               "slot_mapping: contiguous [n] int64");
