@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from tests.layers.test_attention import random_step, reference
 from tokenmill.layers import cpu_kernels
 from tokenmill.layers.attention import TorchAttentionBackend
+from tokenmill.layers.attention.kv_quant import quantize_kv
+from tokenmill.layers.rotary import RotaryEmbedding
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built here: {cpu_kernels.build_error()}")
@@ -88,8 +90,6 @@ def test_rope_write_kv_matches_rotary_apply_and_the_cache_store(dtype, heads, kv
     fused qkv output, then k and v stored at their slots. Bit-identical (the kernel rounds each
     product and the sum as the PyTorch ops do, no fused multiply-add); slot -1 rows (padding)
     are rotated but not stored."""
-    from tokenmill.layers.rotary import RotaryEmbedding
-
     torch.manual_seed(0)
     rotary = RotaryEmbedding(hd, 4096, 10000.0, None, dtype)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * hd + 8, dtype=dtype)[:, 8:]  # strided rows, as a slice
@@ -115,8 +115,6 @@ def test_rope_write_kv_matches_rotary_apply_and_the_cache_store(dtype, heads, kv
 
 
 def test_rope_write_kv_refuses_bad_arguments():
-    from tokenmill.layers.rotary import RotaryEmbedding
-
     cos_sin = RotaryEmbedding(8, 64, 10000.0, None, torch.float32).lookup(torch.arange(2))
     qkv = torch.randn(2, (4 + 2 * 2) * 8)
     caches = [torch.zeros(3, 4, 2, 8) for _ in range(2)]
@@ -136,8 +134,6 @@ def test_rope_write_kv_refuses_bad_arguments():
 def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
     """kv_cache_dtype int8: the kernel reads codes and per-token-head scales in place and agrees
     with the PyTorch path, which dequantizes the gathered blocks (the same cache, the same step)."""
-    from tokenmill.layers.attention.kv_quant import quantize_kv
-
     bs = 16
     decode_lens = sorted([1, 3, 16, 17, 40, 5 * bs + 3])
     cache, query, key, value, layout, *_ = random_step(dtype, bs, kv_heads, heads, hd, decode_lens, [(5, 2 * bs + 5)])
@@ -156,9 +152,6 @@ def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_kv_quantizes_into_an_int8_cache_as_quantize_kv_does(dtype):
-    from tokenmill.layers.attention.kv_quant import quantize_kv
-    from tokenmill.layers.rotary import RotaryEmbedding
-
     torch.manual_seed(0)
     heads, kv_heads, hd, n = 9, 3, 64, 23
     rotary = RotaryEmbedding(hd, 4096, 10000.0, None, dtype)

@@ -241,13 +241,7 @@ bool check_cache_dtype(at::ScalarType compute, const at::Tensor& key_cache, cons
   return quantized;
 }
 
-}  // namespace
-
-// out [num_seqs, num_heads, head_dim] (rows may be strided), query likewise; key_cache,
-// value_cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_tables
-// [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (context length, new token included).
-// An int8 cache (kv_cache_dtype int8) comes with key_scales, value_scales [num_blocks,
-// block_size, num_kv_heads] float32 contiguous: a vector is its codes times its scale.
+// paged_decode_attention_impl with the head sizes 64 and 128 as compile-time constants.
 template <typename T, typename C>
 void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -267,6 +261,13 @@ void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tenso
   }
 }
 
+}  // namespace
+
+// out [num_seqs, num_heads, head_dim] (rows may be strided), query likewise; key_cache,
+// value_cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_tables
+// [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (context length, new token included).
+// An int8 cache (kv_cache_dtype int8) comes with key_scales, value_scales [num_blocks,
+// block_size, num_kv_heads] float32 contiguous: a vector is its codes times its scale.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& key_scales,

@@ -181,6 +181,9 @@ def quantize_sequentially(model: nn.Module, sequences: list[list[int]], names: l
     A decoder layer's linears are taken in their registration order, which is their forward
     order in `LlamaDecoderLayer`."""
     wanted = set(names)
+    missed = wanted - {f"layers.{i}.{n}" for i, layer in enumerate(model.layers) for n, _ in layer.named_modules()}
+    if missed:  # before any forward: the walk below would pass over them
+        raise ValueError(f"quantize_sequentially: not linear layers of the decoder layers: {sorted(missed)[:4]}")
     batches = [_Batch(model, b) for b in _batches(sequences, batch_tokens)]
     per_batch = math.ceil(sample_rows / len(batches))
     for index, layer in enumerate(model.layers):
@@ -209,9 +212,6 @@ def quantize_sequentially(model: nn.Module, sequences: list[list[int]], names: l
             quantize(name, stats)
         for batch in batches:
             batch.x = batch.run(layer)
-    missed = wanted - {f"layers.{i}.{n}" for i, layer in enumerate(model.layers) for n, _ in layer.named_modules()}
-    if missed:
-        raise ValueError(f"quantize_sequentially: not linear layers of the decoder layers: {sorted(missed)[:4]}")
 
 
 def _batches(sequences: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:

@@ -76,11 +76,11 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
     records = {}
 
     def quantize(name: str, stats) -> None:
-        linear = model.get_submodule(name)
+        linear, method = model.get_submodule(name), qconfig.method_of(name)
         bias = None if linear.bias is None else linear.bias.detach()
-        record = _record(qconfig.method_of(name), qconfig, linear.weight.detach(), stats)
+        record = _record(method, qconfig, linear.weight.detach(), stats)
         records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
-        _replace(model, name, build_linear(qconfig.method_of(name), records[name], bias))
+        _replace(model, name, build_linear(method, records[name], bias))
 
     t0 = time.perf_counter()
     if qconfig.algorithm != "rtn":
