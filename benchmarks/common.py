@@ -61,15 +61,26 @@ CONFIG_NAMES = ("bf16", "int8", "int4")
 
 # A config name with this suffix runs without tokenmill's compiled CPU kernels (cpu_kernels=False).
 TORCH_OPS_SUFFIX = "-torchops"
+# ... with the kernels, but decode steps through the Python decoder layers instead of the
+# compiled DecoderStack (the model's cpu_decoder dropped after load: see python_layers).
+PY_LAYERS_SUFFIX = "-pylayers"
+SUFFIXES = (TORCH_OPS_SUFFIX, PY_LAYERS_SUFFIX)
+
+
+def config_base(name: str) -> str:
+    """The config name without its suffix."""
+    for suffix in SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def parse_configs(text: str) -> list[str]:
-    """'bf16,int8,int4' -> the names, checked (each may end in TORCH_OPS_SUFFIX)."""
+    """'bf16,int8,int4' -> the names, checked (each may end in one of SUFFIXES)."""
     names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c.removesuffix(TORCH_OPS_SUFFIX) not in CONFIG_NAMES]
+    bad = [c for c in names if config_base(c) not in CONFIG_NAMES]
     if not names or bad:
         raise ValueError(f"configs: expected a comma-separated subset of {','.join(CONFIG_NAMES)} (each optionally "
-                         f"with the suffix {TORCH_OPS_SUFFIX}), got {text!r}")
+                         f"with a suffix, {' or '.join(SUFFIXES)}), got {text!r}")
     return names
 
 
@@ -77,16 +88,23 @@ def config_kwargs(name: str, dtype: str) -> dict:
     """`LLM` keyword arguments of a named config: bf16 -> dtype `dtype` (bfloat16 unless overridden),
     int8 / int4 -> weight-only quantization of the linears (compute dtype: the engine's default);
     NAME-torchops -> the same with PyTorch ops only (no compiled CPU kernels)."""
-    base = name.removesuffix(TORCH_OPS_SUFFIX)
+    base = config_base(name)
     kwargs = {"dtype": dtype} if base == "bf16" else {"quantization": base}
-    if name != base:
+    if name.endswith(TORCH_OPS_SUFFIX):
         kwargs["cpu_kernels"] = False
     return kwargs
 
 
+def python_layers(llm, name: str) -> None:
+    """For a NAME-pylayers config: decode steps run the model's Python layers (the compiled
+    DecoderStack dropped), the kernels otherwise kept, to measure the stack side by side."""
+    if name.endswith(PY_LAYERS_SUFFIX):
+        llm.engine.core.runner.model.cpu_decoder = None
+
+
 def config_label(name: str, dtype: str) -> str:
     """The config's name in tables: the bf16 line under another --dtype is named after it."""
-    base = name.removesuffix(TORCH_OPS_SUFFIX)
+    base = config_base(name)
     return ({"float32": "fp32"}.get(dtype, base) if base == "bf16" else base) + name[len(base):]
 
 

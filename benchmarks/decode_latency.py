@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 from common import (
-    CONFIG_NAMES, RESULTS_DIR, TEXT_FILE, TORCH_OPS_SUFFIX, OtherLoad, busy_warning, config_kwargs, config_label,
-    cut_prompts, fmt, hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_ratios, print_table, run_llama_bench,
-    tensor_bytes, text_token_ids, write_report,
+    CONFIG_NAMES, PY_LAYERS_SUFFIX, RESULTS_DIR, TEXT_FILE, TORCH_OPS_SUFFIX, OtherLoad, busy_warning, config_base,
+    config_kwargs, config_label, cut_prompts, fmt, hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_ratios,
+    print_table, python_layers, run_llama_bench, tensor_bytes, text_token_ids, write_report,
 )
 
 DEFAULT_OUTPUT = RESULTS_DIR / "decode_latency.json"
@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="bf16,int8,int4",
                    help=f"tokenmill configs, comma-separated, from {','.join(CONFIG_NAMES)}: bf16 = dtype --dtype, "
                         "int8/int4 = weight-only quantized linears (the engine's default compute dtype); a name ending "
-                        f"in {TORCH_OPS_SUFFIX} (e.g. int4{TORCH_OPS_SUFFIX}) runs without tokenmill's compiled CPU kernels")
+                        f"in {TORCH_OPS_SUFFIX} (e.g. int4{TORCH_OPS_SUFFIX}) runs without tokenmill's compiled CPU kernels, "
+                        f"one in {PY_LAYERS_SUFFIX} with them but its decode steps through the Python decoder layers "
+                        "instead of the compiled DecoderStack")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="compute dtype of the bf16 config line (float32 to measure fp32 instead)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (cut from the GPL-3 text)")
@@ -257,11 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         llm = LLM(args.model, **kwargs)
         load_s = time.perf_counter() - t
+        python_layers(llm, name)
         if prompts is None:
             tokenizer = llm.tokenizer
             prompts = cut_prompts(text_token_ids(tokenizer), args.repeats + 1, args.prompt_len)
         dtype = str(llm.engine.core.dtype)
-        base = name.removesuffix(TORCH_OPS_SUFFIX)
+        base = config_base(name)
         weights = dtype if base == "bf16" else f"{base} ({dtype} compute)"
         r = run_tokenmill(llm, prompts, args.output_len)
         label = config_label(name, args.dtype)

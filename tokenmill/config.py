@@ -46,7 +46,8 @@ class EngineConfig:
     # bucketed batch sizes (worker/cuda_graphs.py); True runs every step eagerly instead.
     enforce_eager: bool = False
     # CPU: tokenmill's compiled kernels (layers/cpu_kernels.py: paged decode attention read in
-    # place from the cache, RMSNorm, RoPE + KV store), built for this machine at first use; if
+    # place from the cache, RMSNorm, RoPE + KV store, the decoder layers of decode-only steps in
+    # one call: csrc/cpu_decoder.cpp), built for this machine at first use; if
     # they cannot be built (no compiler), PyTorch ops with a warning. False: PyTorch ops only.
     # Not used with an fp8 KV cache (its decode stays on the PyTorch path) nor on CUDA.
     cpu_kernels: bool = True

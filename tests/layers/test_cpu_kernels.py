@@ -1,7 +1,7 @@
 """tokenmill's compiled CPU kernels (layers/cpu_kernels.py) against PyTorch: the torch attention
 backend with its decode kernel over a grid of shapes (GQA ratios, block sizes, head sizes with
 and without a specialized build, contexts crossing block boundaries, decodes mixed with prefill
-chunks), RMSNorm against F.rms_norm, and the rotary embedding + KV store against
+chunks), RMSNorm against F.rms_norm (and with the residual add before it), and the rotary embedding + KV store against
 RotaryEmbedding.apply + index_copy_. Skipped where the kernels cannot be built."""
 
 from __future__ import annotations
@@ -81,6 +81,19 @@ def test_rms_norm_matches_f_rms_norm(dtype, rows, hidden):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     else:  # rounded once to bf16: within one bf16 step of the fp32 result
         assert ((got.float() - expected).abs() <= expected.abs() * 2**-7 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (33, 64)])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    x, d = ((torch.randn(rows, hidden, generator=g) * 3).to(dtype) for _ in range(2))
+    w = torch.randn(hidden, generator=g).to(dtype)
+    total, normed = kernels.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(total, x + d)  # rounded to the dtype as PyTorch's add rounds
+    assert torch.equal(normed, kernels.rms_norm(x + d, w, 1e-6))
+    with pytest.raises(RuntimeError, match="delta"):
+        kernels.add_rms_norm(x, d[:, :-1], w, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

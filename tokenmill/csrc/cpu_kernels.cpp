@@ -9,12 +9,13 @@
 //   over K, one over V). Parallel over (sequence, KV head). Reads an int8 cache (codes + one
 //   scale per token and KV head) too, with the scales folded into the scores and weights.
 // rms_norm: y = x * rsqrt(mean(x^2) + eps) * w in one pass over each row, fp32 accumulation,
-//   rounded once to x's dtype.
+//   rounded once to x's dtype. add_rms_norm: the residual add before it in the same pass.
 // rope_write_kv: rotary embedding of the queries and keys of a fused qkv projection output, and
 //   the store of the rotated keys and the values into the paged KV cache: one call for what
 //   takes ~15 PyTorch ops. Rounds as the PyTorch ops do (each product, then the sum, to the
 //   dtype), so in bf16 its output is bit-identical to theirs.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -128,11 +129,16 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
   });
 }
 
+// With `delta`, each row is first x + delta rounded to T (what PyTorch's add gives), written to
+// `sum`, and that rounded sum is normalized.
 template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+                   const at::Tensor* delta = nullptr, at::Tensor* sum = nullptr) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const T* x_ptr = x.data_ptr<T>();
   const T* w_ptr = weight.data_ptr<T>();
+  const T* d_ptr = delta ? delta->data_ptr<T>() : nullptr;
+  T* s_ptr = sum ? sum->data_ptr<T>() : nullptr;
   T* o_ptr = out.data_ptr<T>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -140,6 +146,14 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
     load_row(w_ptr, w.data(), hidden);
     for (int64_t r = begin; r < end; ++r) {
       load_row(x_ptr + r * hidden, row.data(), hidden);
+      if (d_ptr) {
+        const T* d = d_ptr + r * hidden;
+        T* s = s_ptr + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          s[i] = static_cast<T>(row[i] + static_cast<float>(d[i]));
+          row[i] = static_cast<float>(s[i]);
+        }
+      }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < hidden; ++i) ss += row[i] * row[i];
@@ -305,19 +319,42 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   });
 }
 
-// x [rows, hidden] contiguous, weight [hidden] of x's dtype; returns a new tensor.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+namespace {
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, hidden]");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type() &&
                   weight.is_contiguous(),
               "weight: contiguous [hidden] of x's dtype");
+}
+
+}  // namespace
+
+// x [rows, hidden] contiguous, weight [hidden] of x's dtype; returns a new tensor.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(out, x, weight, eps);
   });
   return out;
+}
+
+// The residual add and the next RMSNorm in one pass: returns (x + delta, rms_norm(x + delta)),
+// the sum rounded to x's dtype first, as `x + delta` then `rms_norm` give. delta: like x.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  check_norm_args(x, weight);
+  check_cpu(delta, "delta");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() && delta.is_contiguous(),
+              "delta: contiguous, x's shape and dtype");
+  at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_impl<scalar_t>(out, x, weight, eps, &delta, &sum);
+  });
+  return {sum, out};
 }
 
 // qkv [n, (num_heads + 2 num_kv_heads) * head_dim] (rows may be strided); cos, sin [n, 1 or
@@ -376,4 +413,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("key_scales") = pybind11::none(),
         pybind11::arg("value_scales") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU): (x + delta, rms_norm(x + delta))");
+  bind_decoder_stack(m);
 }

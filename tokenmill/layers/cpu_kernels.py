@@ -5,7 +5,12 @@ cores) serves every later process.
 
 - `paged_decode_attention`: decode attention read in place from the paged KV cache through the
   block tables (the PyTorch path gathers every sequence's blocks, then runs SDPA).
-- `rms_norm`: one pass per row instead of the ~8 ops of `F.rms_norm` on CPU.
+- `rms_norm`: one pass per row instead of the ~8 ops of `F.rms_norm` on CPU; `add_rms_norm`:
+  the residual add before it in the same pass.
+- `rope_write_kv`: RoPE of q and k and the store of k and v in the paged cache, one call.
+- `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for decode-only steps in one
+  call, the same ops as the Python layers without the interpreter between them
+  (`LlamaForCausalLM.enable_cpu_decoder`).
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no ninja); then
 `build_error()` says why and callers use their PyTorch path.
@@ -20,7 +25,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp"]
 _error: str | None = None
 
 
@@ -34,7 +40,7 @@ def load():
         t0 = time.perf_counter()
         module = cpp_extension.load(
             name="tokenmill_cpu_kernels",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp", "-lm"],
             verbose=False,

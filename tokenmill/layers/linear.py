@@ -46,6 +46,11 @@ class DenseLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def cpu_decoder_spec(self) -> tuple | None:
+        """This layer for the compiled `DecoderStack` (csrc/cpu_decoder.cpp), which runs the same
+        kernel: (kind, weight, scales, bias, input_scale, param); None where it cannot."""
+        return ("onednn" if self.packed else "dense", self.weight, None, self.bias, None, 0)
+
 
 class QuantizedLinear(nn.Module):
     """A linear layer built from a quantized record (`tokenmill.quantization.formats`):
@@ -70,6 +75,10 @@ class QuantizedLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def cpu_decoder_spec(self) -> tuple | None:
+        """As DenseLinear's; the weight-only int8 and int4 layers have one."""
+        return None
+
 
 class Int8Linear(QuantizedLinear):
     """Weight-only int8 (`_weight_int8pack_mm`, bf16 activations). With many rows the matmul
@@ -92,6 +101,9 @@ class Int8Linear(QuantizedLinear):
             return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
         return F.linear(xb, self.dequantized())
 
+    def cpu_decoder_spec(self):
+        return ("int8", self.codes, self.scales, self.bias, self.input_scale, self.max_rows)
+
 
 class Int4Linear(QuantizedLinear):
     """Weight-only int4, asymmetric groups (`_weight_int4pack_mm_for_cpu`, bf16 activations)."""
@@ -112,6 +124,9 @@ class Int4Linear(QuantizedLinear):
     def _matmul(self, x):
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+
+    def cpu_decoder_spec(self):
+        return ("int4", self.packed, self.scales_and_zeros, self.bias, self.input_scale, self.group_size)
 
 
 class W8A8Linear(QuantizedLinear):

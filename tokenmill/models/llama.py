@@ -106,14 +106,39 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The compiled DecoderStack (enable_cpu_decoder) for decode-only steps, or None.
+        self.cpu_decoder = None
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns the final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)  # the same rows for every layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(cos_sin, x, kv_cache, meta)
+        if self.cpu_decoder is not None and meta.decode_block_tables is not None and not meta.prefill_query_lens:
+            x = self.cpu_decoder.forward(x, *cos_sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+                                         kv_caches)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(cos_sin, x, kv_cache, meta)
         return self.norm(x)
+
+    def enable_cpu_decoder(self, kernels) -> bool:
+        """Run the layers of decode-only steps through `kernels.DecoderStack` (csrc/cpu_decoder.cpp:
+        the same ops as `LlamaDecoderLayer`, bit-identical, without Python between them). For a
+        model on the CPU, converted to its final linears, whose attention backend decodes with
+        `kernels` (TorchAttentionBackend's decode kernel). False, and nothing changes, when a
+        linear has no compiled form (w8a8, fp8)."""
+        specs = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [getattr(lin, "cpu_decoder_spec", lambda: None)()
+                       for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(spec is None for spec in linears):
+                return False
+            specs.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *linears))
+        c, attn = self.config, self.layers[0].self_attn
+        self.cpu_decoder = kernels.DecoderStack(specs, self.norm.eps, c.num_attention_heads, c.num_key_value_heads,
+                                                c.head_dim, c.intermediate_size, attn.scale)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""

@@ -98,6 +98,11 @@ class ModelRunner:
             self.draft_model = self._load_draft(config, checkpoint, max_model_len)
         self.load_seconds = time.perf_counter() - t0
         models = [m for m in (self.model, self.draft_model) if m is not None]
+        # Decode-only steps run the decoder layers in one compiled call where every linear has a
+        # compiled form (models/llama.py: enable_cpu_decoder).
+        for m in models:
+            if self.cpu_kernels is not None and getattr(m.attn_backend, "decode_kernel", None) is self.cpu_kernels:
+                m.enable_cpu_decoder(self.cpu_kernels)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer = (

@@ -1,0 +1,24 @@
+// The entry points of cpu_kernels.cpp that cpu_decoder.cpp calls (argument contracts there).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& key_scales,
+                            const c10::optional<at::Tensor>& value_scales);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps);
+
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, at::Tensor key_cache, at::Tensor value_cache,
+                         int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& key_scales,
+                         const c10::optional<at::Tensor>& value_scales);
+
+// Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
+void bind_decoder_stack(pybind11::module& m);
