@@ -182,3 +182,33 @@ def test_rope_write_kv_quantizes_into_an_int8_cache_as_quantize_kv_does(dtype):
         torch.testing.assert_close(stored_codes.view(-1, kv_heads, hd)[slots], expected_codes, atol=0, rtol=0)
         torch.testing.assert_close(stored_scales.view(-1, kv_heads)[slots], expected_scales, atol=0, rtol=0)
     assert scales[1].view(-1, kv_heads)[slots[3]].eq(0).all()
+
+
+@pytest.mark.skipif(kernels is None or not kernels.int4_linear_supported(), reason="int4_linear needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
+def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_features, group_size):
+    from tokenmill.layers.linear import Int4Linear
+    from tokenmill.quantization.formats import pack_int4
+
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
+    groups = in_features // group_size
+    record = {"codes": pack_int4(codes), "scales": torch.rand(out_features, groups, generator=g) * 0.02 + 1e-3,
+              "mins": -torch.rand(out_features, groups, generator=g) * 0.1}
+    layer = Int4Linear(record, None, kernels)
+    assert layer.kernel is kernels
+    # the weight as the kernel sees it: scales and mins rounded to bf16
+    scales, mins = (record[k].bfloat16().float().repeat_interleave(group_size, 1) for k in ("scales", "mins"))
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    expected = x.float() @ (codes * scales + mins).t()
+    got = kernels.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, group_size)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    # fp32 sums, rounded once to bf16 at the end
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    if rows <= Int4Linear.KERNEL_MAX_ROWS:  # the layer takes this path, and PyTorch's kernel agrees closely
+        assert torch.equal(layer(x), got)
+    aten = Int4Linear(record, None)(x)
+    torch.testing.assert_close(aten.float(), expected, atol=6e-2, rtol=2e-2)  # it rounds min + 8 * scale to bf16
+    with pytest.raises(RuntimeError, match="M <= 4"):
+        kernels.int4_linear(torch.randn(5, in_features).bfloat16(), layer.kernel_codes, layer.kernel_pairs, group_size)

@@ -21,7 +21,7 @@ namespace {
 namespace py = pybind11;
 
 // One linear of models/llama.py in a format of layers/linear.py, as its `cpu_decoder_spec()` gives it:
-// (kind, weight, scales, bias, input_scale, group_size_or_max_rows).
+// (kind, weight, scales, bias, input_scale, group_size_or_max_rows, kernel_codes, kernel_pairs).
 struct Linear {
   enum class Kind { kDense, kOneDnn, kInt8, kInt4 };
   Kind kind;
@@ -29,9 +29,11 @@ struct Linear {
   at::Tensor scales;  // int8: per-channel bf16 scales; int4: [groups, out, 2] scales and zeros
   c10::optional<at::Tensor> bias, input_scale;
   int64_t param = 0;  // int4: group size; int8: the most rows for the int8 kernel
+  c10::optional<at::Tensor> kernel_codes, kernel_pairs;  // int4: int4_linear's layout (1-4 rows)
+  static constexpr int64_t kKernelMaxRows = 3;  // Int4Linear.KERNEL_MAX_ROWS
 
   static Linear from_spec(const py::tuple& spec) {
-    TORCH_CHECK(spec.size() == 6, "a linear spec is (kind, weight, scales, bias, input_scale, param)");
+    TORCH_CHECK(spec.size() == 8, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, pairs)");
     Linear l;
     const auto kind = spec[0].cast<std::string>();
     if (kind == "dense") {
@@ -50,6 +52,8 @@ struct Linear {
     if (!spec[3].is_none()) l.bias = spec[3].cast<at::Tensor>();
     if (!spec[4].is_none()) l.input_scale = spec[4].cast<at::Tensor>();
     l.param = spec[5].cast<int64_t>();
+    if (!spec[6].is_none()) l.kernel_codes = spec[6].cast<at::Tensor>();
+    if (!spec[7].is_none()) l.kernel_pairs = spec[7].cast<at::Tensor>();
     return l;
   }
 
@@ -66,7 +70,9 @@ struct Linear {
     const at::Tensor xs = input_scale ? x * *input_scale : x;
     const at::Tensor xb = xs.scalar_type() == at::kBFloat16 ? xs : xs.to(at::kBFloat16);
     at::Tensor y;
-    if (kind == Kind::kInt4) {
+    if (kind == Kind::kInt4 && kernel_codes && xb.size(0) <= kKernelMaxRows) {
+      y = int4_linear(xb.contiguous(), *kernel_codes, *kernel_pairs, param);
+    } else if (kind == Kind::kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(xb, weight, param, scales);
     } else if (xb.size(0) <= param) {
       y = at::_weight_int8pack_mm(xb, weight, scales);

@@ -414,5 +414,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("value_scales") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU): (x + delta, rms_norm(x + delta))");
+  m.def("int4_linear", &int4_linear, "weight-only int4 linear at 1-4 rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("pairs"), pybind11::arg("group_size"));
+  m.def("int4_linear_supported", &int4_linear_supported, "whether int4_linear was built (AVX-512 BF16)");
   bind_decoder_stack(m);
 }

@@ -65,13 +65,13 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclude_gsm8k: set[int] = frozenset()
-                   ) -> dict[str, dict[str, torch.Tensor]]:
+def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclude_gsm8k: set[int] = frozenset(),
+                   cpu_kernels=None) -> dict[str, dict[str, torch.Tensor]]:
     """Swap every nn.Linear of `model` (loaded, on its device; fp32 for the best records) that
     has a method for its quantized layer, calibrating first when the algorithm needs it (then
     `tokenizer` is required). Returns the records by linear name (what a checkpoint stores).
     The quantized layers keep their records as they are when the model is later cast to the
-    compute dtype (only their bias follows)."""
+    compute dtype (only their bias follows). `cpu_kernels`: see build_linear."""
     names = linear_names(model)
     records = {}
 
@@ -80,7 +80,7 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
         bias = None if linear.bias is None else linear.bias.detach()
         record = _record(method, qconfig, linear.weight.detach(), stats)
         records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
-        _replace(model, name, build_linear(method, records[name], bias))
+        _replace(model, name, build_linear(method, records[name], bias, cpu_kernels))
 
     t0 = time.perf_counter()
     if qconfig.algorithm != "rtn":
@@ -199,10 +199,10 @@ def quant_config_from_checkpoint(raw: dict) -> QuantConfig:
 
 @torch.no_grad()
 def load_quantized_weights(model: nn.Module, tensors: dict[str, torch.Tensor], qconfig: QuantConfig,
-                           device: torch.device, dtype: torch.dtype) -> None:
+                           device: torch.device, dtype: torch.dtype, cpu_kernels=None) -> None:
     """Fill `model` (built on the CPU, plain nn.Linear layers) from a quantized checkpoint's
     tensors and swap in the quantized layers; the model ends on `device` in `dtype`.
-    Raises ValueError naming any missing or unexpected tensor."""
+    Raises ValueError naming any missing or unexpected tensor. `cpu_kernels`: see build_linear."""
     used: set[str] = set()
     linears = linear_names(model)
     linear_params = {f"{n}.{p}" for n in linears for p in ("weight", "bias")}
@@ -235,7 +235,7 @@ def load_quantized_weights(model: nn.Module, tensors: dict[str, torch.Tensor], q
         if "codes" not in record:
             raise ValueError(f"quantized checkpoint has no codes for linear layer {name!r}")
         used.update(prefix + k for k in record)
-        _replace(model, name, build_linear(method, record, bias))
+        _replace(model, name, build_linear(method, record, bias, cpu_kernels))
     unexpected = sorted(set(tensors) - used)
     if unexpected:
         raise ValueError(f"quantized checkpoint has tensors with no place in the model: {unexpected[:8]}")

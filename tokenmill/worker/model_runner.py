@@ -138,7 +138,7 @@ class ModelRunner:
                                   f"({checkpoint.quantization.get('method')}); leave quantization unset")
             model = build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels)
             qconfig = quant_config_from_checkpoint(checkpoint.quantization)
-            load_quantized_weights(model, dict(checkpoint.weights()), qconfig, self.device, self.dtype)
+            load_quantized_weights(model, dict(checkpoint.weights()), qconfig, self.device, self.dtype, self.cpu_kernels)
             return model.eval()
         model = build_model(checkpoint, max_model_len, torch.float32 if qconfig else self.dtype, self.attention_backend,
                             self.cpu_kernels)
@@ -146,7 +146,7 @@ class ModelRunner:
         if qconfig is not None:
             # Quantized from the checkpoint's fp32 weights and calibrated in fp32, exactly what
             # `tokenmill quantize` writes; only then does the rest go to the compute dtype.
-            quantize_model(model.to(device=self.device).eval(), qconfig, checkpoint.tokenizer)
+            quantize_model(model.to(device=self.device).eval(), qconfig, checkpoint.tokenizer, cpu_kernels=self.cpu_kernels)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         convert_linears(model)  # whatever is still an nn.Linear
         return model
