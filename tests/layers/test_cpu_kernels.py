@@ -184,7 +184,7 @@ def test_rope_write_kv_quantizes_into_an_int8_cache_as_quantize_kv_does(dtype):
     assert scales[1].view(-1, kv_heads)[slots[3]].eq(0).all()
 
 
-@pytest.mark.skipif(kernels is None or not kernels.int4_linear_supported(), reason="int4_linear needs AVX-512 BF16")
+@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int4_linear needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
 def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_features, group_size):
@@ -212,3 +212,44 @@ def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_featu
     torch.testing.assert_close(aten.float(), expected, atol=6e-2, rtol=2e-2)  # it rounds min + 8 * scale to bf16
     with pytest.raises(RuntimeError, match="M <= 4"):
         kernels.int4_linear(torch.randn(5, in_features).bfloat16(), layer.kernel_codes, layer.kernel_pairs, group_size)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="bf16_linear needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("out_features,in_features,with_bias", [(960, 576, False), (37, 96, True)])
+def test_bf16_linear_matches_an_fp32_matmul(rows, out_features, in_features, with_bias):
+    from tokenmill.layers.linear import DenseLinear
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    expected = x.float() @ w.float().t() + (bias.float() if with_bias else 0)
+    got = kernels.bf16_linear(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)  # fp32 sums, one rounding
+    layer = DenseLinear(w, bias, kernels)
+    assert layer.kernel is kernels and layer.plain is w
+    if rows <= DenseLinear.KERNEL_MAX_ROWS:
+        assert torch.equal(layer(x), got)
+    torch.testing.assert_close(DenseLinear(w, bias)(x).float(), expected, atol=2e-2, rtol=2e-2)  # oneDNN's
+
+
+@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int8_linear needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_int8_linear_matches_the_dequantized_weight(rows):
+    from tokenmill.layers.linear import Int8Linear
+    from tokenmill.quantization.formats import quantize_int8
+
+    g = torch.Generator().manual_seed(rows)
+    codes, scales = quantize_int8(torch.randn(200, 576, generator=g))
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=kernels)
+    assert layer.kernel is kernels
+    expected = (x.float() @ codes.float().t()) * layer.scales.float()
+    got = kernels.int8_linear(x, layer.codes, layer.scales)
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    if rows <= Int8Linear.KERNEL_MAX_ROWS:
+        assert torch.equal(layer(x), got)
+    torch.testing.assert_close(Int8Linear({"codes": codes, "scales": scales}, None)(x).float(), expected,
+                               atol=3e-2, rtol=2e-2)  # PyTorch's _weight_int8pack_mm

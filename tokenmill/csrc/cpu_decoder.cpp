@@ -29,8 +29,10 @@ struct Linear {
   at::Tensor scales;  // int8: per-channel bf16 scales; int4: [groups, out, 2] scales and zeros
   c10::optional<at::Tensor> bias, input_scale;
   int64_t param = 0;  // int4: group size; int8: the most rows for the int8 kernel
-  c10::optional<at::Tensor> kernel_codes, kernel_pairs;  // int4: int4_linear's layout (1-4 rows)
-  static constexpr int64_t kKernelMaxRows = 3;  // Int4Linear.KERNEL_MAX_ROWS
+  // The few-row kernel's weight: int4_linear's codes and pairs, int8_linear's codes, or
+  // bf16_linear's plain weight.
+  c10::optional<at::Tensor> kernel_codes, kernel_pairs;
+  static constexpr int64_t kKernelMaxRows = 3;  // the linears' KERNEL_MAX_ROWS (layers/linear.py)
 
   static Linear from_spec(const py::tuple& spec) {
     TORCH_CHECK(spec.size() == 8, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, pairs)");
@@ -62,6 +64,9 @@ struct Linear {
       case Kind::kDense:  // DenseLinear, F.linear
         return at::linear(x, weight, bias);
       case Kind::kOneDnn:  // DenseLinear, packed bf16
+        if (kernel_codes && x.size(0) <= kKernelMaxRows && x.scalar_type() == at::kBFloat16) {
+          return bf16_linear(x.contiguous(), *kernel_codes, bias);
+        }
         return onednn_linear().call(x, weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
       default:
         break;
@@ -74,6 +79,8 @@ struct Linear {
       y = int4_linear(xb.contiguous(), *kernel_codes, *kernel_pairs, param);
     } else if (kind == Kind::kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(xb, weight, param, scales);
+    } else if (kernel_codes && xb.size(0) <= kKernelMaxRows) {  // int8
+      y = int8_linear(xb.contiguous(), *kernel_codes, scales);
     } else if (xb.size(0) <= param) {
       y = at::_weight_int8pack_mm(xb, weight, scales);
     } else {  // Int8Linear above max_rows: its dequantized weight in a bf16 matmul

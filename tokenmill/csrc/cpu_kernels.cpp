@@ -416,6 +416,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU): (x + delta, rms_norm(x + delta))");
   m.def("int4_linear", &int4_linear, "weight-only int4 linear at 1-4 rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("pairs"), pybind11::arg("group_size"));
-  m.def("int4_linear_supported", &int4_linear_supported, "whether int4_linear was built (AVX-512 BF16)");
+  m.def("bf16_linear", &bf16_linear, "bf16 linear at 1-4 rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear at 1-4 rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
+        pybind11::arg("codes"), pybind11::arg("scales"));
+  m.def("gemv_supported", &gemv_supported, "whether int4_linear, int8_linear and bf16_linear were built (AVX-512 BF16)");
   bind_decoder_stack(m);
 }

@@ -20,9 +20,11 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
                          int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& key_scales,
                          const c10::optional<at::Tensor>& value_scales);
 
-// cpu_int4.cpp: weight-only int4 x bf16 at 1-4 rows (where the CPU has AVX-512 BF16).
-bool int4_linear_supported();
+// cpu_gemv.cpp: int4, int8 or bf16 weights x bf16 at 1-4 rows (where the CPU has AVX-512 BF16).
+bool gemv_supported();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
 // Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
 void bind_decoder_stack(pybind11::module& m);

@@ -8,8 +8,8 @@ cores) serves every later process.
 - `rms_norm`: one pass per row instead of the ~8 ops of `F.rms_norm` on CPU; `add_rms_norm`:
   the residual add before it in the same pass.
 - `rope_write_kv`: RoPE of q and k and the store of k and v in the paged cache, one call.
-- `int4_linear` (csrc/cpu_int4.cpp): weight-only int4 at 1-4 rows (batch-1 decode), where the
-  CPU has AVX-512 BF16 (`int4_linear_supported()`); `Int4Linear.attach_kernels` packs for it.
+- `int4_linear` (csrc/cpu_gemv.cpp): weight-only int4 at 1-4 rows (batch-1 decode), where the
+  CPU has AVX-512 BF16 (`gemv_supported()`); `Int4Linear.attach_kernels` packs for it.
 - `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for decode-only steps in one
   call, the same ops as the Python layers without the interpreter between them
   (`LlamaForCausalLM.enable_cpu_decoder`).
@@ -28,7 +28,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_int4.cpp"]
+SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_gemv.cpp"]
 _error: str | None = None
 
 

@@ -15,6 +15,12 @@ quarter / an eighth of fp32's bytes, which is what decide batch-1 decode speed. 
 bf16 (fed fp32 they are many times slower), so activations are cast to bf16 around them. With
 many rows the matmul is compute-bound and these kernels are slower than a bf16 matmul: above
 `max_rows` rows, `Int8Linear` dequantizes its weight and runs a plain bf16 matmul instead.
+
+Given the compiled CPU kernels (`layers.cpu_kernels`, on a CPU with AVX-512 BF16), the bf16,
+int8 and int4 layers run matmuls of 1-3 rows — decode steps of a few requests — with
+tokenmill's own `bf16_linear` / `int8_linear` / `int4_linear` (csrc/cpu_gemv.cpp), which read
+the weight at close to memory speed where PyTorch's kernels do not (1.3-1.6x on the default
+model's matrices at 1 row); more rows keep PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -32,25 +38,40 @@ def _bf16_packing_supported(device: torch.device) -> bool:
 
 
 class DenseLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The checkpoint's dtype. With `kernels` (the compiled CPU kernels, on a CPU with AVX-512
+    BF16) and bf16 weights whose in_features are a multiple of 32, matmuls of 1-3 rows run
+    `kernels.bf16_linear` (csrc/cpu_gemv.cpp) on the plain weight, which this layer then keeps
+    as well as the packed one (a tied LM head's plain weight is the embedding itself)."""
+
+    KERNEL_MAX_ROWS = 3  # (csrc/cpu_decoder.cpp kKernelMaxRows: the same)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels=None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = weight.dtype == torch.bfloat16 and _bf16_packing_supported(weight.device)
+        self.kernel = None
+        if (self.packed and kernels is not None and kernels.gemv_supported() and self.in_features % 32 == 0
+                and weight.is_contiguous()):
+            self.kernel, self.plain = kernels, weight
         # The oneDNN layout is opaque: keep it out of state_dict / .to() (the model is converted
         # after it has reached its device and dtype).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.shape[0] <= self.KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
+            return self.kernel.bf16_linear(x.contiguous(), self.plain, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def cpu_decoder_spec(self) -> tuple | None:
         """This layer for the compiled `DecoderStack` (csrc/cpu_decoder.cpp), which runs the same
-        kernels: (kind, weight, scales, bias, input_scale, param, kernel codes, kernel pairs), the
-        last two Int4Linear's for `int4_linear` (else None); None where it cannot."""
-        return ("onednn" if self.packed else "dense", self.weight, None, self.bias, None, 0, None, None)
+        kernels: (kind, weight, scales, bias, input_scale, param, kernel weight, kernel pairs),
+        the last two the few-row kernel's (`bf16_linear`: the plain weight; `int4_linear`:
+        Int4Linear's codes and pairs), else None; None where it cannot."""
+        return ("onednn" if self.packed else "dense", self.weight, None, self.bias, None, 0,
+                self.plain if self.kernel is not None else None, None)
 
 
 class QuantizedLinear(nn.Module):
@@ -84,26 +105,37 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """Weight-only int8 (`_weight_int8pack_mm`, bf16 activations). With many rows the matmul
     is compute-bound and the kernel loses to a bf16 matmul: above `max_rows` rows the weight is
-    dequantized and multiplied in bf16."""
+    dequantized and multiplied in bf16. With `kernels` (see Int4Linear; in_features a multiple
+    of 16), 1-3 rows run `kernels.int8_linear` on the same codes."""
 
-    def __init__(self, record, bias, max_rows: int = 16):
+    KERNEL_MAX_ROWS = 3  # (csrc/cpu_decoder.cpp kKernelMaxRows: the same)
+
+    def __init__(self, record, bias, max_rows: int = 16, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
         self.codes = record["codes"]
         self.in_features = self.codes.shape[1]
         self.scales = record["scales"].to(torch.bfloat16)
         self.max_rows = max_rows
+        self.kernel = None
+        if (kernels is not None and self.codes.device.type == "cpu" and kernels.gemv_supported()
+                and self.in_features % 16 == 0):
+            self.kernel = kernels
+            self.codes = self.codes.contiguous()
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.to(torch.bfloat16) * self.scales[:, None]
 
     def _matmul(self, x):
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if self.kernel is not None and xb.shape[0] <= self.KERNEL_MAX_ROWS:
+            return self.kernel.int8_linear(xb.contiguous(), self.codes, self.scales)
         if xb.shape[0] <= self.max_rows:
             return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
         return F.linear(xb, self.dequantized())
 
     def cpu_decoder_spec(self):
-        return ("int8", self.codes, self.scales, self.bias, self.input_scale, self.max_rows, None, None)
+        return ("int8", self.codes, self.scales, self.bias, self.input_scale, self.max_rows,
+                self.codes if self.kernel is not None else None, None)
 
 
 class Int4Linear(QuantizedLinear):
@@ -111,12 +143,12 @@ class Int4Linear(QuantizedLinear):
 
     With `kernels` (the compiled CPU kernels, on a CPU with AVX-512 BF16) and a shape they take
     (in_features a multiple of 64; group size 32 or a multiple of 64), matmuls of 1-3 rows — the
-    decode steps of a few requests — run `kernels.int4_linear` instead (csrc/cpu_int4.cpp; over
+    decode steps of a few requests — run `kernels.int4_linear` instead (csrc/cpu_gemv.cpp; over
     the default model's 120 matrices on 2 cores 1.42x faster than PyTorch's at 1 row, 1.13x at
     2-3, on par at 4), from a second copy of the codes in its own layout (the weights' memory
     doubles) and (scale, min) as bf16 pairs; more rows keep PyTorch's kernel."""
 
-    KERNEL_MAX_ROWS = 3  # (csrc/cpu_decoder.cpp kKernelMaxRows: the same; M = 4 measured on par with PyTorch)
+    KERNEL_MAX_ROWS = 3  # (csrc/cpu_decoder.cpp kKernelMaxRows: the same; at 4 rows on par with PyTorch's)
 
     def __init__(self, record, bias, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
@@ -131,7 +163,7 @@ class Int4Linear(QuantizedLinear):
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         self.kernel = None
-        if (kernels is not None and kernels.int4_linear_supported() and self.in_features % 64 == 0
+        if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)):
             self.kernel = kernels
             # Each 64-code chunk as 32 bytes: byte j = code j (low nibble) | code 32 + j (high).
@@ -204,17 +236,20 @@ assert tuple(LINEAR_CLASSES) == QUANTIZATION_METHODS
 def build_linear(method: str, record: dict[str, torch.Tensor], bias: torch.Tensor | None,
                  cpu_kernels=None) -> QuantizedLinear:
     """The layer for a record of `method` (tensors already on the layer's device); `cpu_kernels`
-    (layers.cpu_kernels.load()) for the int4 layer's few-row kernel."""
+    (layers.cpu_kernels.load()) for the int4 and int8 layers' few-row kernels."""
     if method == "int4":
         return Int4Linear(record, bias, cpu_kernels)
+    if method == "int8":
+        return Int8Linear(record, bias, kernels=cpu_kernels)
     return LINEAR_CLASSES[method](record, bias)
 
 
-def convert_linears(model: nn.Module) -> None:
+def convert_linears(model: nn.Module, cpu_kernels=None) -> None:
     """Replace every `nn.Linear` of `model` (already on its device, in its dtype) by a
-    `DenseLinear` in place. (Quantized layers: `tokenmill.quantization.quantize.quantize_model`.)"""
+    `DenseLinear` in place (`cpu_kernels`: see DenseLinear). (Quantized layers:
+    `tokenmill.quantization.quantize.quantize_model`.)"""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 bias = None if child.bias is None else child.bias.detach()
-                setattr(parent, name, DenseLinear(child.weight.detach(), bias))
+                setattr(parent, name, DenseLinear(child.weight.detach(), bias, cpu_kernels))

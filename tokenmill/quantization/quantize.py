@@ -228,7 +228,7 @@ def load_quantized_weights(model: nn.Module, tensors: dict[str, torch.Tensor], q
             if f"{name}.weight" in tensors:
                 weight = tensors[f"{name}.weight"].to(device=device, dtype=dtype)
                 used.add(f"{name}.weight")
-            _replace(model, name, DenseLinear(weight.detach(), bias))
+            _replace(model, name, DenseLinear(weight.detach(), bias, cpu_kernels))
             continue
         prefix = f"{name}."
         record = {k[len(prefix):]: v.to(device) for k, v in tensors.items() if k.startswith(prefix) and k != f"{name}.bias"}

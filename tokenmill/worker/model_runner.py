@@ -148,7 +148,7 @@ class ModelRunner:
             # `tokenmill quantize` writes; only then does the rest go to the compute dtype.
             quantize_model(model.to(device=self.device).eval(), qconfig, checkpoint.tokenizer, cpu_kernels=self.cpu_kernels)
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        convert_linears(model)  # whatever is still an nn.Linear
+        convert_linears(model, self.cpu_kernels)  # whatever is still an nn.Linear
         return model
 
     def _load_draft(self, config: EngineConfig, target: LoadedCheckpoint, max_model_len: int):

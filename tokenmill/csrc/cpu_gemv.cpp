@@ -1,0 +1,294 @@
+// Matmuls of a few rows (the decode steps of 1-3 requests) that read the weight once at close to
+// memory speed, where PyTorch's kernels leave bandwidth unused on this model's small matrices
+// (2 cores, AVX-512 BF16). Built only where the compiler targets AVX-512 BF16 (-march=native on
+// such a CPU); elsewhere gemv_supported() is false and the linears keep PyTorch's kernels.
+//
+// int4_linear: weight-only int4 (layers/linear.py Int4Linear). w = q * scale + min per group of
+// `group_size` input channels (q = 0..15), packed by Int4Linear into 64-weight chunks: byte j
+// (0..31) of a chunk holds q[j] in its low nibble and q[32 + j] in its high nibble, so each
+// nibble half widens (vpmovzxbw, a 16-entry bf16 table) into 32 bf16 weights that meet 32
+// consecutive x values in one vdpbf16ps (exact products, fp32 sums). Scales and mins are bf16
+// pairs [N, groups, 2]. Per group: scale * sum(q x) in fp32; per row, sum over groups of
+// min * sum(x of the group) is added once, 16 groups per vector.
+// bf16_linear: a bf16 weight [N, K] as it is (DenseLinear), 32 weights per vdpbf16ps.
+// int8_linear: weight-only int8 with one scale per output row (Int8Linear, the quantized
+// configs' LM head), codes widened to fp32 16 at a time, fp32 FMAs, the scale applied once.
+// Both: parallel over output rows, several accumulators per row so that the additions do not
+// wait on each other, the result rounded once to bf16.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_GEMV_KERNELS 1
+#include <immintrin.h>
+#endif
+
+bool gemv_supported() {
+#ifdef TOKENMILL_GEMV_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef TOKENMILL_GEMV_KERNELS
+namespace {
+
+inline __m512 broadcast_bf16_low(uint32_t pair) {  // the low bf16 of a pair, as fp32 in every lane
+  return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair << 16)));
+}
+
+// Rows [begin, end) of y for M rows of x. xs: per row of x, its group sums [M, groups] fp32.
+template <int M>
+void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const uint32_t* pairs, at::BFloat16* y,
+               int64_t K, int64_t N, int64_t groups, int64_t group_size, int64_t begin, int64_t end) {
+  alignas(64) uint16_t table_bits[32];
+  for (int i = 0; i < 32; ++i) table_bits[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
+  const __m512i table = _mm512_load_si512(table_bits);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t chunks = K / 64;
+  const auto widen = [&](const uint8_t* chunk, __m512i& lo, __m512i& hi) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+    lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), table);
+    hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  };
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = packed + n * (K / 2);
+    const uint32_t* p = pairs + n * groups;
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    }
+    if (group_size == 32) {  // each nibble half of a chunk is one group
+      const auto chunk_step = [&](int64_t c, int j) {
+        __m512i lo, hi;
+        widen(row + c * 32, lo, hi);
+        const __m512 s0 = broadcast_bf16_low(p[2 * c]), s1 = broadcast_bf16_low(p[2 * c + 1]);
+        for (int m = 0; m < M; ++m) {
+          const uint16_t* xr = x + m * K + c * 64;
+          const __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xr));
+          const __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+          acc[m][j] = _mm512_fmadd_ps(d0, s0, acc[m][j]);
+          acc[m][j + 1] = _mm512_fmadd_ps(d1, s1, acc[m][j + 1]);
+        }
+      };
+      int64_t c = 0;
+      for (; c + 1 < chunks; c += 2) {
+        chunk_step(c, 0);
+        chunk_step(c + 1, 2);
+      }
+      if (c < chunks) chunk_step(c, 0);
+    } else {  // group_size a multiple of 64: whole chunks per group
+      const int64_t per_group = group_size / 64;
+      for (int64_t g = 0, c = 0; g < groups; ++g) {
+        __m512 dot[M][2];
+        for (int m = 0; m < M; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < per_group; ++i, ++c) {
+          __m512i lo, hi;
+          widen(row + c * 32, lo, hi);
+          for (int m = 0; m < M; ++m) {
+            const uint16_t* xr = x + m * K + c * 64;
+            dot[m][0] = _mm512_dpbf16_ps(dot[m][0], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xr));
+            dot[m][1] = _mm512_dpbf16_ps(dot[m][1], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+          }
+        }
+        const __m512 s = broadcast_bf16_low(p[g]);
+        const int j = 2 * (g & 1);
+        for (int m = 0; m < M; ++m) {
+          acc[m][j] = _mm512_fmadd_ps(dot[m][0], s, acc[m][j]);
+          acc[m][j + 1] = _mm512_fmadd_ps(dot[m][1], s, acc[m][j + 1]);
+        }
+      }
+    }
+    // + sum over groups of min * (sum of the group's x), 16 groups at a time
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 k = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (groups - g)) - 1);
+      const __m512 mins = _mm512_castsi512_ps(_mm512_and_si512(_mm512_maskz_loadu_epi32(k, p + g), high_half));
+      for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(k, xs + m * groups + g), acc[m][0]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+      y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(total));
+    }
+  }
+}
+
+// Rows [begin, end) of y = x W^T (+ bias) for M rows of x, W [N, K] bf16.
+template <int M>
+void bf16_rows(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
+  const int64_t steps = K / 32;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint16_t* row = w + n * K;
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    }
+    int64_t i = 0;
+    for (; i + 3 < steps; i += 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i wv = _mm512_loadu_si512(row + (i + j) * 32);
+        for (int m = 0; m < M; ++m) {
+          acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x + m * K + (i + j) * 32));
+        }
+      }
+    }
+    for (; i < steps; ++i) {
+      const __m512i wv = _mm512_loadu_si512(row + i * 32);
+      for (int m = 0; m < M; ++m) {
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x + m * K + i * 32));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+      y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(total) + (bias ? bias[n] : 0.f));
+    }
+  }
+}
+
+// Rows [begin, end) of y = (x codes^T) * scale for M rows of x (as fp32, xf [M, K]), codes [N, K] int8.
+template <int M>
+void int8_rows(const float* xf, const int8_t* codes, const uint16_t* scales, at::BFloat16* y, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
+  const int64_t steps = K / 16;
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = codes + n * K;
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    }
+    int64_t i = 0;
+    const auto step = [&](int64_t i, int j) {
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i * 16))));
+      for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + i * 16), acc[m][j]);
+    };
+    for (; i + 3 < steps; i += 4) {
+      for (int j = 0; j < 4; ++j) step(i + j, j);
+    }
+    for (; i < steps; ++i) step(i, 0);
+    uint32_t bits = static_cast<uint32_t>(scales[n]) << 16;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    for (int m = 0; m < M; ++m) {
+      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+      y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(total) * scale);
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+// x [M, K] bf16 contiguous, 1 <= M <= 4; packed [N, K/2] uint8 (chunk layout above); pairs
+// [N, K/group_size, 2] bf16 (scale, min) contiguous; group_size 32 or a multiple of 64, K a
+// multiple of 64. Returns y [M, N] bf16.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+  TORCH_CHECK(gemv_supported(), "int4_linear needs AVX-512 BF16 (see gemv_supported)");
+  for (const at::Tensor* t : {&x, &packed, &pairs}) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
+              "x: bf16 [M, K] with 1 <= M <= 4");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
+              "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == K / 2, "packed: uint8 [N, K/2]");
+  TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == N && pairs.size(1) == groups &&
+                  pairs.size(2) == 2,
+              "pairs: bf16 [N, K/group_size, 2]");
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef TOKENMILL_GEMV_KERNELS
+  const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+  std::vector<float> xs(M * groups);  // group sums of x
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+      const c10::BFloat16* xg = xb + m * K + g * group_size;
+      for (int64_t k = 0; k < group_size; k += 4) {
+        for (int i = 0; i < 4; ++i) s[i] += static_cast<float>(xg[k + i]);
+      }
+      xs[m * groups + g] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+  }
+  const auto* x16 = reinterpret_cast<const uint16_t*>(xb);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: int4_rows<1>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
+      case 2: int4_rows<2>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
+      case 3: int4_rows<3>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
+      default: int4_rows<4>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
+    }
+  });
+#endif
+  return y;
+}
+
+// x [M, K] bf16 contiguous, 1 <= M <= 4; weight [N, K] bf16 contiguous, K a multiple of 32; bias
+// [N] bf16 or None. Returns y [M, N] bf16: each dot product in fp32 (+ the bias), rounded once.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(gemv_supported(), "bf16_linear needs AVX-512 BF16 (see gemv_supported)");
+  for (const at::Tensor* t : {&x, &weight}) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
+              "x: bf16 [M, K] with 1 <= M <= 4");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) == K && K % 32 == 0,
+              "weight: bf16 [N, K], K a multiple of 32");
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu(), "bias: [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef TOKENMILL_GEMV_KERNELS
+  const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: bf16_rows<1>(x16, w16, bp, out, K, N, begin, end); break;
+      case 2: bf16_rows<2>(x16, w16, bp, out, K, N, begin, end); break;
+      case 3: bf16_rows<3>(x16, w16, bp, out, K, N, begin, end); break;
+      default: bf16_rows<4>(x16, w16, bp, out, K, N, begin, end); break;
+    }
+  });
+#endif
+  return y;
+}
+
+// x [M, K] bf16 contiguous, 1 <= M <= 4; codes [N, K] int8 contiguous, K a multiple of 16;
+// scales [N] bf16. Returns y [M, N] bf16 = (x codes^T in fp32) * scale, rounded once.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(gemv_supported(), "int8_linear needs AVX-512 BF16 (see gemv_supported)");
+  for (const at::Tensor* t : {&x, &codes, &scales}) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
+              "x: bf16 [M, K] with 1 <= M <= 4");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == K && K % 16 == 0,
+              "codes: int8 [N, K], K a multiple of 16");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef TOKENMILL_GEMV_KERNELS
+  const at::Tensor xf = x.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: int8_rows<1>(xp, cp, sp, out, K, N, begin, end); break;
+      case 2: int8_rows<2>(xp, cp, sp, out, K, N, begin, end); break;
+      case 3: int8_rows<3>(xp, cp, sp, out, K, N, begin, end); break;
+      default: int8_rows<4>(xp, cp, sp, out, K, N, begin, end); break;
+    }
+  });
+#endif
+  return y;
+}
