@@ -437,8 +437,11 @@ def copy_bandwidth(device: str, num_bytes: int, repeats: int = 10) -> dict:
 
 
 def tensor_bytes(model) -> dict:
-    """Bytes of the model's tensors, each storage once: all of them, and those a decode step reads
-    in full (not an nn.Embedding table unless the LM head shares it, not rotary cos/sin caches)."""
+    """Bytes of the model's tensors, each storage once: all of them, and those a batch-1 decode
+    step reads in full (not an nn.Embedding table unless the LM head shares it, not rotary
+    cos/sin caches, not the many-row copy of a linear that runs a few-row kernel at 1 row:
+    DenseLinear's packed `weight` when it keeps `plain`, Int4Linear's `packed` and
+    `scales_and_zeros` when it keeps `kernel_codes`)."""
     import torch
     from torch import nn
 
@@ -446,6 +449,10 @@ def tensor_bytes(model) -> dict:
     for module_name, module in model.named_modules():
         tensors = [*module._parameters.items(), *module._buffers.items()]
         tensors += [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]
+        many_rows_only = set()
+        if getattr(module, "kernel", None) is not None:
+            many_rows_only = ({"weight"} if hasattr(module, "plain") else
+                              {"packed", "scales_and_zeros"} if hasattr(module, "kernel_codes") else set())
         for attr, t in tensors:
             if t is None:
                 continue
@@ -453,7 +460,8 @@ def tensor_bytes(model) -> dict:
                 key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
             except (RuntimeError, NotImplementedError):  # an opaque layout without a plain storage
                 key, nbytes = id(t), t.numel() * t.element_size()
-            lookup_only = isinstance(module, nn.Embedding) or "rotary" in module_name or attr.endswith(("cos_cache", "sin_cache"))
+            lookup_only = (isinstance(module, nn.Embedding) or "rotary" in module_name
+                           or attr.endswith(("cos_cache", "sin_cache")) or attr in many_rows_only)
             entry = storages.setdefault(key, [nbytes, False])
             entry[1] = entry[1] or not lookup_only
     total = sum(b for b, _ in storages.values())
