@@ -118,67 +118,59 @@ void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const 
   }
 }
 
-// Rows [begin, end) of y = x W^T (+ bias) for M rows of x, W [N, K] bf16.
-template <int M>
-void bf16_rows(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N,
-               int64_t begin, int64_t end) {
-  const int64_t steps = K / 32;
+// For each output row n in [begin, end): M dot products over `steps` steps, step(n, i, acc, j)
+// adding step i of row n into acc[m][j] for every m; four accumulators per product, so that the
+// additions do not wait on each other; then store(n, m, the product's fp32 sum).
+template <int M, typename Step, typename Store>
+void dot_rows(int64_t steps, int64_t begin, int64_t end, const Step& step, const Store& store) {
   for (int64_t n = begin; n < end; ++n) {
-    const uint16_t* row = w + n * K;
     __m512 acc[M][4];
     for (int m = 0; m < M; ++m) {
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
     }
     int64_t i = 0;
     for (; i + 3 < steps; i += 4) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i wv = _mm512_loadu_si512(row + (i + j) * 32);
-        for (int m = 0; m < M; ++m) {
-          acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x + m * K + (i + j) * 32));
-        }
-      }
+      for (int j = 0; j < 4; ++j) step(n, i + j, acc, j);
     }
-    for (; i < steps; ++i) {
-      const __m512i wv = _mm512_loadu_si512(row + i * 32);
-      for (int m = 0; m < M; ++m) {
-        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x + m * K + i * 32));
-      }
-    }
+    for (; i < steps; ++i) step(n, i, acc, 0);
     for (int m = 0; m < M; ++m) {
       const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-      y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(total) + (bias ? bias[n] : 0.f));
+      store(n, m, _mm512_reduce_add_ps(total));
     }
   }
 }
 
-// Rows [begin, end) of y = (x codes^T) * scale for M rows of x (as fp32, xf [M, K]), codes [N, K] int8.
+// Rows [begin, end) of y = x W^T (+ bias) for M rows of x, W [N, K] bf16: 32 weights a step.
+template <int M>
+void bf16_rows(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
+  const auto step = [&](int64_t n, int64_t i, __m512 (*acc)[4], int j) {
+    const __m512i wv = _mm512_loadu_si512(w + n * K + i * 32);
+    for (int m = 0; m < M; ++m) {
+      acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x + m * K + i * 32));
+    }
+  };
+  dot_rows<M>(K / 32, begin, end, step, [&](int64_t n, int m, float sum) {
+    y[m * N + n] = static_cast<at::BFloat16>(sum + (bias ? bias[n] : 0.f));
+  });
+}
+
+// Rows [begin, end) of y = (x codes^T) * scale for M rows of x (as fp32, xf [M, K]), codes
+// [N, K] int8: 16 codes a step, widened to fp32.
 template <int M>
 void int8_rows(const float* xf, const int8_t* codes, const uint16_t* scales, at::BFloat16* y, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
-  const int64_t steps = K / 16;
-  for (int64_t n = begin; n < end; ++n) {
-    const int8_t* row = codes + n * K;
-    __m512 acc[M][4];
-    for (int m = 0; m < M; ++m) {
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-    }
-    int64_t i = 0;
-    const auto step = [&](int64_t i, int j) {
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i * 16))));
-      for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + i * 16), acc[m][j]);
-    };
-    for (; i + 3 < steps; i += 4) {
-      for (int j = 0; j < 4; ++j) step(i + j, j);
-    }
-    for (; i < steps; ++i) step(i, 0);
-    uint32_t bits = static_cast<uint32_t>(scales[n]) << 16;
+  const auto step = [&](int64_t n, int64_t i, __m512 (*acc)[4], int j) {
+    const auto* src = reinterpret_cast<const __m128i*>(codes + n * K + i * 16);
+    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+    for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + i * 16), acc[m][j]);
+  };
+  dot_rows<M>(K / 16, begin, end, step, [&](int64_t n, int m, float sum) {
+    const uint32_t bits = static_cast<uint32_t>(scales[n]) << 16;
     float scale;
     std::memcpy(&scale, &bits, 4);
-    for (int m = 0; m < M; ++m) {
-      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-      y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(total) * scale);
-    }
-  }
+    y[m * N + n] = static_cast<at::BFloat16>(sum * scale);
+  });
 }
 
 }  // namespace
