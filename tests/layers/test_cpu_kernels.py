@@ -188,7 +188,7 @@ def test_rope_write_kv_quantizes_into_an_int8_cache_as_quantize_kv_does(dtype):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
 def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_features, group_size):
-    from tokenmill.layers.linear import Int4Linear
+    from tokenmill.layers.linear import KERNEL_MAX_ROWS, Int4Linear
     from tokenmill.quantization.formats import pack_int4
 
     g = torch.Generator().manual_seed(rows)
@@ -206,7 +206,7 @@ def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_featu
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     # fp32 sums, rounded once to bf16 at the end
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
-    if rows <= Int4Linear.KERNEL_MAX_ROWS:  # the layer takes this path, and PyTorch's kernel agrees closely
+    if rows <= KERNEL_MAX_ROWS:  # the layer takes this path, and PyTorch's kernel agrees closely
         assert torch.equal(layer(x), got)
     aten = Int4Linear(record, None)(x)
     torch.testing.assert_close(aten.float(), expected, atol=6e-2, rtol=2e-2)  # it rounds min + 8 * scale to bf16
@@ -218,7 +218,7 @@ def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_featu
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(960, 576, False), (37, 96, True)])
 def test_bf16_linear_matches_an_fp32_matmul(rows, out_features, in_features, with_bias):
-    from tokenmill.layers.linear import DenseLinear
+    from tokenmill.layers.linear import KERNEL_MAX_ROWS, DenseLinear
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
@@ -230,7 +230,7 @@ def test_bf16_linear_matches_an_fp32_matmul(rows, out_features, in_features, wit
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)  # fp32 sums, one rounding
     layer = DenseLinear(w, bias, kernels)
     assert layer.kernel is kernels and layer.plain is w
-    if rows <= DenseLinear.KERNEL_MAX_ROWS:
+    if rows <= KERNEL_MAX_ROWS:
         assert torch.equal(layer(x), got)
     torch.testing.assert_close(DenseLinear(w, bias)(x).float(), expected, atol=2e-2, rtol=2e-2)  # oneDNN's
 
@@ -238,7 +238,7 @@ def test_bf16_linear_matches_an_fp32_matmul(rows, out_features, in_features, wit
 @pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int8_linear needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_int8_linear_matches_the_dequantized_weight(rows):
-    from tokenmill.layers.linear import Int8Linear
+    from tokenmill.layers.linear import KERNEL_MAX_ROWS, Int8Linear
     from tokenmill.quantization.formats import quantize_int8
 
     g = torch.Generator().manual_seed(rows)
@@ -249,7 +249,7 @@ def test_int8_linear_matches_the_dequantized_weight(rows):
     expected = (x.float() @ codes.float().t()) * layer.scales.float()
     got = kernels.int8_linear(x, layer.codes, layer.scales)
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
-    if rows <= Int8Linear.KERNEL_MAX_ROWS:
+    if rows <= KERNEL_MAX_ROWS:
         assert torch.equal(layer(x), got)
     torch.testing.assert_close(Int8Linear({"codes": codes, "scales": scales}, None)(x).float(), expected,
                                atol=3e-2, rtol=2e-2)  # PyTorch's _weight_int8pack_mm

@@ -32,9 +32,9 @@ struct Linear {
   // The few-row kernel's weight: int4_linear's codes and pairs, int8_linear's codes, or
   // bf16_linear's plain weight.
   c10::optional<at::Tensor> kernel_codes, kernel_pairs;
-  static constexpr int64_t kKernelMaxRows = 3;  // the linears' KERNEL_MAX_ROWS (layers/linear.py)
+  int64_t kernel_max_rows = 0;  // the most rows for them (layers/linear.py KERNEL_MAX_ROWS)
 
-  static Linear from_spec(const py::tuple& spec) {
+  static Linear from_spec(const py::tuple& spec, int64_t kernel_max_rows) {
     TORCH_CHECK(spec.size() == 8, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, pairs)");
     Linear l;
     const auto kind = spec[0].cast<std::string>();
@@ -54,6 +54,7 @@ struct Linear {
     if (!spec[3].is_none()) l.bias = spec[3].cast<at::Tensor>();
     if (!spec[4].is_none()) l.input_scale = spec[4].cast<at::Tensor>();
     l.param = spec[5].cast<int64_t>();
+    l.kernel_max_rows = kernel_max_rows;
     if (!spec[6].is_none()) l.kernel_codes = spec[6].cast<at::Tensor>();
     if (!spec[7].is_none()) l.kernel_pairs = spec[7].cast<at::Tensor>();
     return l;
@@ -64,7 +65,7 @@ struct Linear {
       case Kind::kDense:  // DenseLinear, F.linear
         return at::linear(x, weight, bias);
       case Kind::kOneDnn:  // DenseLinear, packed bf16
-        if (kernel_codes && x.size(0) <= kKernelMaxRows && x.scalar_type() == at::kBFloat16) {
+        if (kernel_codes && x.size(0) <= kernel_max_rows && x.scalar_type() == at::kBFloat16) {
           return bf16_linear(x.contiguous(), *kernel_codes, bias);
         }
         return onednn_linear().call(x, weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
@@ -75,11 +76,11 @@ struct Linear {
     const at::Tensor xs = input_scale ? x * *input_scale : x;
     const at::Tensor xb = xs.scalar_type() == at::kBFloat16 ? xs : xs.to(at::kBFloat16);
     at::Tensor y;
-    if (kind == Kind::kInt4 && kernel_codes && xb.size(0) <= kKernelMaxRows) {
+    if (kind == Kind::kInt4 && kernel_codes && xb.size(0) <= kernel_max_rows) {
       y = int4_linear(xb.contiguous(), *kernel_codes, *kernel_pairs, param);
     } else if (kind == Kind::kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(xb, weight, param, scales);
-    } else if (kernel_codes && xb.size(0) <= kKernelMaxRows) {  // int8
+    } else if (kernel_codes && xb.size(0) <= kernel_max_rows) {  // int8
       y = int8_linear(xb.contiguous(), *kernel_codes, scales);
     } else if (xb.size(0) <= param) {
       y = at::_weight_int8pack_mm(xb, weight, scales);
@@ -107,9 +108,10 @@ struct Layer {
 
 class DecoderStack {
  public:
-  // layers: per decoder layer (input_norm_weight, post_norm_weight, qkv, o, gate_up, down specs).
+  // layers: per decoder layer (input_norm_weight, post_norm_weight, qkv, o, gate_up, down specs);
+  // kernel_max_rows: up to how many rows a linear with a few-row kernel runs it.
   DecoderStack(const py::list& layers, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               int64_t intermediate_size, double scale)
+               int64_t intermediate_size, double scale, int64_t kernel_max_rows)
       : eps_(eps),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
@@ -119,8 +121,8 @@ class DecoderStack {
     for (const auto& item : layers) {
       const auto t = item.cast<py::tuple>();
       TORCH_CHECK(t.size() == 6, "a layer is (input_norm, post_norm, qkv, o, gate_up, down)");
-      layers_.push_back(Layer{t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), Linear::from_spec(t[2]),
-                              Linear::from_spec(t[3]), Linear::from_spec(t[4]), Linear::from_spec(t[5])});
+      const auto linear = [&](int i) { return Linear::from_spec(t[i], kernel_max_rows); };
+      layers_.push_back(Layer{t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), linear(2), linear(3), linear(4), linear(5)});
     }
   }
 
@@ -172,9 +174,9 @@ class DecoderStack {
 
 void bind_decoder_stack(py::module& m) {
   py::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decoder's layers for decode-only steps (CPU)")
-      .def(py::init<const py::list&, double, int64_t, int64_t, int64_t, int64_t, double>(), py::arg("layers"),
+      .def(py::init<const py::list&, double, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("layers"),
            py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("intermediate_size"), py::arg("scale"))
+           py::arg("intermediate_size"), py::arg("scale"), py::arg("kernel_max_rows"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("kv_caches"),
            py::call_guard<py::gil_scoped_release>());

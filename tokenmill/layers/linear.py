@@ -33,6 +33,11 @@ from tokenmill.config import QUANTIZATION_METHODS
 from tokenmill.quantization.formats import FP8_MAX, quantize_rows_int8, unpack_int4
 
 
+# The most rows the few-row kernels take here and in the DecoderStack. At 4 rows int4_linear is
+# on par with PyTorch's kernel.
+KERNEL_MAX_ROWS = 3
+
+
 def _bf16_packing_supported(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
@@ -42,8 +47,6 @@ class DenseLinear(nn.Module):
     BF16) and bf16 weights whose in_features are a multiple of 32, matmuls of 1-3 rows run
     `kernels.bf16_linear` (csrc/cpu_gemv.cpp) on the plain weight, which this layer then keeps
     as well as the packed one (a tied LM head's plain weight is the embedding itself)."""
-
-    KERNEL_MAX_ROWS = 3  # (csrc/cpu_decoder.cpp kKernelMaxRows: the same)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels=None):
         super().__init__()
@@ -59,7 +62,7 @@ class DenseLinear(nn.Module):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.shape[0] <= self.KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
+        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
             return self.kernel.bf16_linear(x.contiguous(), self.plain, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -108,8 +111,6 @@ class Int8Linear(QuantizedLinear):
     dequantized and multiplied in bf16. With `kernels` (see Int4Linear; in_features a multiple
     of 16), 1-3 rows run `kernels.int8_linear` on the same codes."""
 
-    KERNEL_MAX_ROWS = 3  # (csrc/cpu_decoder.cpp kKernelMaxRows: the same)
-
     def __init__(self, record, bias, max_rows: int = 16, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
         self.codes = record["codes"]
@@ -127,7 +128,7 @@ class Int8Linear(QuantizedLinear):
 
     def _matmul(self, x):
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if self.kernel is not None and xb.shape[0] <= self.KERNEL_MAX_ROWS:
+        if self.kernel is not None and xb.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernel.int8_linear(xb.contiguous(), self.codes, self.scales)
         if xb.shape[0] <= self.max_rows:
             return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
@@ -147,8 +148,6 @@ class Int4Linear(QuantizedLinear):
     the default model's 120 matrices on 2 cores 1.42x faster than PyTorch's at 1 row, 1.13x at
     2-3, on par at 4), from a second copy of the codes in its own layout (the weights' memory
     doubles) and (scale, min) as bf16 pairs; more rows keep PyTorch's kernel."""
-
-    KERNEL_MAX_ROWS = 3  # (csrc/cpu_decoder.cpp kKernelMaxRows: the same; at 4 rows on par with PyTorch's)
 
     def __init__(self, record, bias, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
@@ -173,7 +172,7 @@ class Int4Linear(QuantizedLinear):
 
     def _matmul(self, x):
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if self.kernel is not None and xb.shape[0] <= self.KERNEL_MAX_ROWS:
+        if self.kernel is not None and xb.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernel.int4_linear(xb.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
 
