@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -178,17 +180,42 @@ void int8_rows(const float* xf, const int8_t* codes, const uint16_t* scales, at:
   });
 }
 
+// rows(M_constant, begin, end) over the N output rows in parallel, M (1-4) as a compile-time
+// constant (std::integral_constant) for the row kernels' templates.
+template <typename Rows>
+void for_output_rows(int64_t M, int64_t N, const Rows& rows) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: rows(std::integral_constant<int, 1>{}, begin, end); break;
+      case 2: rows(std::integral_constant<int, 2>{}, begin, end); break;
+      case 3: rows(std::integral_constant<int, 3>{}, begin, end); break;
+      default: rows(std::integral_constant<int, 4>{}, begin, end); break;
+    }
+  });
+}
+
 }  // namespace
 #endif
+
+namespace {
+
+// The checks every few-row kernel makes: built here, CPU tensors, contiguous, x bf16 [M, K]
+// with 1 <= M <= 4.
+void check_few_rows(const char* kernel, const at::Tensor& x, std::initializer_list<const at::Tensor*> weights) {
+  TORCH_CHECK(gemv_supported(), kernel, " needs AVX-512 BF16 (see gemv_supported)");
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "contiguous CPU tensors");
+  for (const at::Tensor* t : weights) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
+              "x: bf16 [M, K] with 1 <= M <= 4");
+}
+
+}  // namespace
 
 // x [M, K] bf16 contiguous, 1 <= M <= 4; packed [N, K/2] uint8 (chunk layout above); pairs
 // [N, K/group_size, 2] bf16 (scale, min) contiguous; group_size 32 or a multiple of 64, K a
 // multiple of 64. Returns y [M, N] bf16.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  TORCH_CHECK(gemv_supported(), "int4_linear needs AVX-512 BF16 (see gemv_supported)");
-  for (const at::Tensor* t : {&x, &packed, &pairs}) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
-              "x: bf16 [M, K] with 1 <= M <= 4");
+  check_few_rows("int4_linear", x, {&packed, &pairs});
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
@@ -215,13 +242,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: int4_rows<1>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
-      case 2: int4_rows<2>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
-      case 3: int4_rows<3>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
-      default: int4_rows<4>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end); break;
-    }
+  for_output_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
+    int4_rows<decltype(m)::value>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end);
   });
 #endif
   return y;
@@ -230,10 +252,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // x [M, K] bf16 contiguous, 1 <= M <= 4; weight [N, K] bf16 contiguous, K a multiple of 32; bias
 // [N] bf16 or None. Returns y [M, N] bf16: each dot product in fp32 (+ the bias), rounded once.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(gemv_supported(), "bf16_linear needs AVX-512 BF16 (see gemv_supported)");
-  for (const at::Tensor* t : {&x, &weight}) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
-              "x: bf16 [M, K] with 1 <= M <= 4");
+  check_few_rows("bf16_linear", x, {&weight});
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) == K && K % 32 == 0,
               "weight: bf16 [N, K], K a multiple of 32");
@@ -248,13 +267,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: bf16_rows<1>(x16, w16, bp, out, K, N, begin, end); break;
-      case 2: bf16_rows<2>(x16, w16, bp, out, K, N, begin, end); break;
-      case 3: bf16_rows<3>(x16, w16, bp, out, K, N, begin, end); break;
-      default: bf16_rows<4>(x16, w16, bp, out, K, N, begin, end); break;
-    }
+  for_output_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
+    bf16_rows<decltype(m)::value>(x16, w16, bp, out, K, N, begin, end);
   });
 #endif
   return y;
@@ -263,10 +277,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 // x [M, K] bf16 contiguous, 1 <= M <= 4; codes [N, K] int8 contiguous, K a multiple of 16;
 // scales [N] bf16. Returns y [M, N] bf16 = (x codes^T in fp32) * scale, rounded once.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(gemv_supported(), "int8_linear needs AVX-512 BF16 (see gemv_supported)");
-  for (const at::Tensor* t : {&x, &codes, &scales}) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
-              "x: bf16 [M, K] with 1 <= M <= 4");
+  check_few_rows("int8_linear", x, {&codes, &scales});
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == K && K % 16 == 0,
               "codes: int8 [N, K], K a multiple of 16");
@@ -278,13 +289,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int8_t* cp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: int8_rows<1>(xp, cp, sp, out, K, N, begin, end); break;
-      case 2: int8_rows<2>(xp, cp, sp, out, K, N, begin, end); break;
-      case 3: int8_rows<3>(xp, cp, sp, out, K, N, begin, end); break;
-      default: int8_rows<4>(xp, cp, sp, out, K, N, begin, end); break;
-    }
+  for_output_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
+    int8_rows<decltype(m)::value>(xp, cp, sp, out, K, N, begin, end);
   });
 #endif
   return y;

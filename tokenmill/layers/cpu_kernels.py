@@ -8,8 +8,9 @@ cores) serves every later process.
 - `rms_norm`: one pass per row instead of the ~8 ops of `F.rms_norm` on CPU; `add_rms_norm`:
   the residual add before it in the same pass.
 - `rope_write_kv`: RoPE of q and k and the store of k and v in the paged cache, one call.
-- `int4_linear` (csrc/cpu_gemv.cpp): weight-only int4 at 1-4 rows (batch-1 decode), where the
-  CPU has AVX-512 BF16 (`gemv_supported()`); `Int4Linear.attach_kernels` packs for it.
+- `bf16_linear`, `int8_linear`, `int4_linear` (csrc/cpu_gemv.cpp): matmuls of 1-4 rows (the
+  linears use them up to `layers.linear.KERNEL_MAX_ROWS`) where the CPU has AVX-512 BF16
+  (`gemv_supported()`); `Int4Linear` packs its codes for `int4_linear`.
 - `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for decode-only steps in one
   call, the same ops as the Python layers without the interpreter between them
   (`LlamaForCausalLM.enable_cpu_decoder`).
