@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tests.layers.test_attention import random_step, reference
 from tokenmill.layers import cpu_kernels
 from tokenmill.layers.attention import TorchAttentionBackend
-from tokenmill.layers.attention.kv_quant import quantize_kv
+from tokenmill.layers.attention.kv_quant import dequantize_kv, quantize_kv
 from tokenmill.layers.rotary import RotaryEmbedding
 
 kernels = cpu_kernels.load()
@@ -161,6 +161,40 @@ def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
     with pytest.raises(RuntimeError, match="both or neither"):
         kernels.paged_decode_attention(out[:1], query[:1], key_codes, value_codes, backend.build_metadata(layout, "cpu").decode_block_tables[:1],
                                        torch.tensor([1], dtype=torch.int32), 0.3, key_scales)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(6, 2, 8), (9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("decode_lens,cache_dtype", [([700], None), ([65, 1000], None), ([300], torch.int8)])
+def test_decode_kernel_splits_long_contexts_across_threads(dtype, heads, kv_heads, hd, decode_lens, cache_dtype):
+    """Fewer (sequence, KV head) pairs than threads can share: on 2 threads the kernel cuts each
+    context into parts (split-K), each part its own softmax maximum and sum, and combines them;
+    the result agrees with the reference and with 1 thread (no split). bf16 with head sizes 64
+    and 128 takes the AVX-512 BF16 path where built, head size 8 the generic one."""
+    bs = 16
+    cache, query, key, value, layout, full_k, full_v, q_lens = random_step(dtype, bs, kv_heads, heads, hd, decode_lens, [])
+    if cache_dtype is not None:
+        (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, cache_dtype) for c in cache)
+        cache = (key_codes, value_codes, key_scales, value_scales)
+        # the reference attends over what the kernel reads: each token-head quantized, dequantized
+        full_k, full_v = ([dequantize_kv(*quantize_kv(x, cache_dtype), torch.float32) for x in xs] for xs in (full_k, full_v))
+    backend = TorchAttentionBackend(decode_kernel=kernels)
+    meta = backend.build_metadata(layout, "cpu")
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            outs[n] = backend.forward(query, key, value, tuple(t.clone() for t in cache), meta, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch.cat([reference(q.float(), k.float(), v.float(), 0.3)
+                          for q, k, v in zip(query.split(q_lens), full_k, full_v)])
+    tol = TOLERANCE[dtype]
+    for out in outs.values():
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[2].float(), outs[1].float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,9 +5,14 @@
 //
 // paged_decode_attention: one query token per sequence attending to its context in the paged
 //   KV cache, read in place through the block table (no gather), GQA-aware: the G query heads
-//   of a KV head share every K/V row they read. fp32 accumulation, exact softmax (two passes
-//   over K, one over V). Parallel over (sequence, KV head). Reads an int8 cache (codes + one
-//   scale per token and KV head) too, with the scales folded into the scores and weights.
+//   of a KV head share every K/V row they read. fp32 accumulation, exact softmax (scores, then
+//   weights, then one pass over V). Work items are (sequence, KV head), taken longest first by
+//   whichever thread is free; with too few of them for the threads (one long request) each
+//   context is split into parts whose softmax partial results are combined (split-K, "flash
+//   decoding"). bf16 with a bf16 cache and head size a multiple of 32, on AVX-512 BF16: q . k
+//   by vdpbf16ps (exact products, fp32 sums) and V widened to fp32 by a shift and a mask.
+//   Reads an int8 cache (codes + one scale per token and KV head) too, with the scales folded
+//   into the scores and weights.
 // rms_norm: y = x * rsqrt(mean(x^2) + eps) * w in one pass over each row, fp32 accumulation,
 //   rounded once to x's dtype. add_rms_norm: the residual add before it in the same pass.
 // rope_write_kv: rotary embedding of the queries and keys of a fused qkv projection output, and
@@ -19,10 +24,18 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <memory>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_BF16_ATTENTION 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -32,98 +45,360 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Calls visit(t, row, row_scale) for t = 0 .. len - 1 with row = the token's K (or V) vector of
-// `kv_head` as floats, reading the paged cache `cache` through the sequence's block table. An
-// int8 cache passes its codes and the token-head's scale (the vector is row * row_scale; the
-// visitor folds the scale into its dot product or weight); otherwise row_scale is 1.
-template <typename C, typename Visit>
-inline void for_each_cached_row(const C* cache, const float* scales, const int32_t* table, int64_t len,
-                                int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t num_kv_heads,
-                                int64_t kv_head, int64_t head_dim, float* row, Visit&& visit) {
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const int64_t n = std::min(block_size, len - t0);
-    const int64_t block_id = table[t0 / block_size];
-    const C* block = cache + block_id * block_stride + kv_head * head_dim;
-    const float* block_scales = scales ? scales + (block_id * block_size) * num_kv_heads + kv_head : nullptr;
-    for (int64_t j = 0; j < n; ++j) {
-      load_row(block + j * token_stride, row, head_dim);
-      visit(t0 + j, row, block_scales ? block_scales[j * num_kv_heads] : 1.f);
+// Split-K: a sequence's context is cut into items of at least kMinSplitTokens tokens when there
+// are fewer than kItemsPerThread (sequence, KV head) pairs per thread.
+constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kMinSplitTokens = 64;
+
+// Offsets, in cache elements, of the K (and V: the caches share one layout) vectors of tokens
+// [begin, end) of one KV head, read through a sequence's block table. In a contiguous cache
+// offset / head_dim is also the index of the token-head's int8 scale.
+inline void cached_row_offsets(const int32_t* table, int64_t begin, int64_t end, int64_t block_size,
+                               int64_t block_stride, int64_t token_stride, int64_t head_offset, int64_t* offsets) {
+  int64_t block = begin / block_size, j = begin % block_size;
+  int64_t base = table[block] * block_stride + head_offset;
+  for (int64_t t = begin; t < end; ++t) {
+    if (j == block_size) {
+      j = 0;
+      base = table[++block] * block_stride + head_offset;
     }
+    *offsets++ = base + j++ * token_stride;
   }
 }
 
-// kHeadDim: the head size as a compile-time constant (fully unrolled and vectorized inner loops),
-// or 0 for any size, read at run time. C: the cache's element type (T, or int8_t with scales).
+#ifdef TOKENMILL_BF16_ATTENTION
+// Lane t of the result: the sum of the 16 lanes of v[t]. A tree of 128-bit chunk and lane
+// shuffles (15 merges of two vectors) instead of 16 horizontal sums.
+inline __m512 sum_each_of_16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // chunks: [v2i(0+2), v2i(1+3), v2i+1(0+2), v2i+1(1+3)]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // chunk k: 4 partial sums of token 4i + k
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // chunk k: 2 partial sums of token 8i + k, then 2 of 8i + 4 + k
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  }
+  // lane 4k + j: token k + 4j
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+#endif
+
+// One work item of paged decode attention: the G query heads of one KV head of one sequence
+// over tokens [begin, end) of its context. For each query head g it leaves
+//   acc[g] = sum_t exp(s_gt - m_g) v_t,  m[g] = max_t s_gt,  l[g] = sum_t exp(s_gt - m_g)
+// (s_gt = scale * q_g . k_t), to be divided by l (one item per sequence) or combined with the
+// other items of the sequence first (split-K: flash decoding). The bf16 path keeps acc's 32-dim
+// chunks as [even dims, odd dims] (the order its bf16 -> fp32 widening gives); `store` undoes it.
+template <typename T, typename C, int64_t kHeadDim>
+struct DecodeAttention {
+  static constexpr bool kSimd =
+#ifdef TOKENMILL_BF16_ATTENTION
+      std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0;
+#else
+      false;
+#endif
+
+  int64_t head_dim, group, num_kv_heads, block_size, block_stride, token_stride, q_row, out_row, max_blocks;
+  const T* q_ptr;
+  const C* k_ptr;
+  const C* v_ptr;
+  T* o_ptr;
+  const int32_t* tables;
+  const int32_t* lens;
+  const float* k_scales;  // int8 cache: one scale per token-head (else null)
+  const float* v_scales;
+  float scale;
+
+  // Per thread: token offsets, scores [G, chunk], the query heads as floats (generic path) and
+  // one K/V row as floats.
+  struct Scratch {
+    std::vector<int64_t> offsets;
+    std::vector<float> scores, q, row;
+  };
+
+  void attend(int64_t seq, int64_t kv_head, int64_t begin, int64_t end, Scratch& w, float* acc, float* m,
+              float* l) const {
+    const int64_t n = end - begin;
+    w.offsets.resize(n);
+    w.scores.resize(group * n);
+    cached_row_offsets(tables + seq * max_blocks, begin, end, block_size, block_stride, token_stride,
+                       kv_head * head_dim, w.offsets.data());
+    const T* q = q_ptr + seq * q_row + kv_head * group * head_dim;
+    if constexpr (kSimd) {
+      simd_scores(q, w.offsets.data(), n, w.scores.data());
+    } else {
+      generic_scores(q, w, n);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = w.scores.data() + g * n;
+      float mx = s[0];  // n >= 1; no infinities (built with -ffast-math)
+      for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - mx);
+        sum += s[t];
+      }
+      m[g] = mx;
+      l[g] = sum;
+    }
+    if constexpr (kSimd) {
+      simd_values(w.offsets.data(), n, w.scores.data(), acc);
+    } else {
+      generic_values(w, n, acc);
+    }
+  }
+
+  // out row of query head g = acc / l, written in T (and in natural dim order).
+  void store(int64_t seq, int64_t head, const float* acc, float l) const {
+    T* dst = o_ptr + seq * out_row + head * head_dim;
+    const float inv = 1.f / l;
+    if constexpr (kSimd) {
+      for (int64_t c = 0; c < head_dim; c += 32) {
+        for (int64_t j = 0; j < 16; ++j) {
+          dst[c + 2 * j] = static_cast<T>(acc[c + j] * inv);
+          dst[c + 2 * j + 1] = static_cast<T>(acc[c + 16 + j] * inv);
+        }
+      }
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+    }
+  }
+
+ private:
+  void generic_scores(const T* q, Scratch& w, int64_t n) const {
+    w.q.resize(group * head_dim);
+    w.row.resize(head_dim);
+    for (int64_t i = 0; i < group * head_dim; ++i) w.q[i] = static_cast<float>(q[i]) * scale;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t off = w.offsets[t];
+      load_row(k_ptr + off, w.row.data(), head_dim);
+      const float k_scale = k_scales ? k_scales[off / head_dim] : 1.f;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = w.q.data() + g * head_dim;
+        const float* k = w.row.data();
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+        w.scores[g * n + t] = dot * k_scale;
+      }
+    }
+  }
+
+  void generic_values(Scratch& w, int64_t n, float* acc) const {
+    std::fill(acc, acc + group * head_dim, 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t off = w.offsets[t];
+      load_row(v_ptr + off, w.row.data(), head_dim);
+      const float v_scale = v_scales ? v_scales[off / head_dim] : 1.f;
+      const float* v = w.row.data();
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = w.scores[g * n + t] * v_scale;
+        float* a = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+      }
+    }
+  }
+
+#ifdef TOKENMILL_BF16_ATTENTION
+  static constexpr int64_t kVecs = kHeadDim > 0 ? kHeadDim / 32 : 1;  // 32 bf16 (one cache line pair) per vector
+  static constexpr int64_t kPrefetchTokens = 8;
+  // Query heads whose fp32 accumulators stay in registers through one pass over V.
+  static constexpr int kMaxHeadsPerPass = kVecs <= 2 ? 6 : 2;
+
+  // scores[g, t] = scale * q_g . k_t: vdpbf16ps on the bf16 rows (exact products, fp32 sums); the
+  // partial-sum vectors of 16 tokens are reduced together. Prefetches the K and V rows ahead.
+  void simd_scores(const T* q, const int64_t* offsets, int64_t n, float* scores) const {
+    const auto* k_base = reinterpret_cast<const uint16_t*>(k_ptr);
+    const auto* v_base = reinterpret_cast<const uint16_t*>(v_ptr);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    // part[g * 16 + i]: token t0 + i's products with query head g, summed pairwise
+    __m512* part = static_cast<__m512*>(__builtin_alloca_with_align(group * 16 * sizeof(__m512), 512));
+    const auto* qbits = reinterpret_cast<const uint16_t*>(q);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t count = std::min<int64_t>(16, n - t0);
+      for (int64_t i = 0; i < count; ++i) {
+        if (t0 + i + kPrefetchTokens < n) {
+          const int64_t ahead = offsets[t0 + i + kPrefetchTokens];
+          for (int64_t c = 0; c < kVecs; ++c) {
+            _mm_prefetch(reinterpret_cast<const char*>(k_base + ahead + 32 * c), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(v_base + ahead + 32 * c), _MM_HINT_T0);
+          }
+        }
+        const uint16_t* k = k_base + offsets[t0 + i];
+        __m512bh kv[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 a = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kVecs; ++c) {
+            a = _mm512_dpbf16_ps(a, kv[c], (__m512bh)_mm512_loadu_si512(qbits + g * kHeadDim + 32 * c));
+          }
+          part[g * 16 + i] = a;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t i = count; i < 16; ++i) part[g * 16 + i] = _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(scores + g * n + t0, static_cast<__mmask16>((1u << count) - 1),
+                              _mm512_mul_ps(sum_each_of_16(part + g * 16), vscale));
+      }
+    }
+  }
+
+  // acc[g] = sum_t p[g, t] v_t with p in fp32: each bf16 pair of a V row widens to its even and
+  // odd elements (a shift and a mask), fp32 FMAs into [even, odd] accumulators per 32 dims, up to
+  // kMaxHeadsPerPass query heads per pass over the rows.
+  void simd_values(const int64_t* offsets, int64_t n, const float* p, float* acc) const {
+    for (int64_t g = 0; g < group; g += kMaxHeadsPerPass) {
+      switch (std::min<int64_t>(kMaxHeadsPerPass, group - g)) {
+        case 1: values_pass<1>(offsets, n, p + g * n, acc + g * kHeadDim); break;
+        case 2: values_pass<2>(offsets, n, p + g * n, acc + g * kHeadDim); break;
+        case 3: values_pass<3>(offsets, n, p + g * n, acc + g * kHeadDim); break;
+        case 4: values_pass<4>(offsets, n, p + g * n, acc + g * kHeadDim); break;
+        case 5: values_pass<5>(offsets, n, p + g * n, acc + g * kHeadDim); break;
+        default: values_pass<kMaxHeadsPerPass>(offsets, n, p + g * n, acc + g * kHeadDim);
+      }
+    }
+  }
+
+  template <int kHeads>
+  void values_pass(const int64_t* offsets, int64_t n, const float* p, float* acc) const {
+    const auto* v_base = reinterpret_cast<const uint16_t*>(v_ptr);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __m512 even[kHeads][kVecs], odd[kHeads][kVecs];
+    for (int h = 0; h < kHeads; ++h) {
+      for (int64_t c = 0; c < kVecs; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const uint16_t* v = v_base + offsets[t];
+      __m512 ve[kVecs], vo[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) {
+        const __m512i x = _mm512_loadu_si512(v + 32 * c);
+        ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      }
+      for (int h = 0; h < kHeads; ++h) {
+        const __m512 w = _mm512_set1_ps(p[h * n + t]);
+        for (int64_t c = 0; c < kVecs; ++c) {
+          even[h][c] = _mm512_fmadd_ps(w, ve[c], even[h][c]);
+          odd[h][c] = _mm512_fmadd_ps(w, vo[c], odd[h][c]);
+        }
+      }
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      for (int64_t c = 0; c < kVecs; ++c) {
+        _mm512_storeu_ps(acc + h * kHeadDim + 32 * c, even[h][c]);
+        _mm512_storeu_ps(acc + h * kHeadDim + 32 * c + 16, odd[h][c]);
+      }
+    }
+  }
+#else
+  void simd_scores(const T*, const int64_t*, int64_t, float*) const {}
+  void simd_values(const int64_t*, int64_t, const float*, float*) const {}
+#endif
+};
+
+// Splits each sequence's context into items of at most `chunk` tokens when there are too few
+// (sequence, KV head) pairs to give every thread several, runs the items on all threads (each
+// takes the next longest left, so uneven contexts balance), and combines a split sequence's
+// partial results in the thread that finishes its last item.
 template <typename T, typename C, int64_t kHeadDim>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double scale, const float* k_scales,
                                  const float* v_scales) {
+  DecodeAttention<T, C, kHeadDim> attn;
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_row = query.stride(0), out_row = out.stride(0);
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1);
-  const T* q_ptr = query.data_ptr<T>();
-  const C* k_ptr = key_cache.data_ptr<C>();
-  const C* v_ptr = value_cache.data_ptr<C>();
-  T* o_ptr = out.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  attn.head_dim = kHeadDim ? kHeadDim : query.size(2);
+  attn.num_kv_heads = key_cache.size(2);
+  attn.group = num_heads / attn.num_kv_heads;
+  attn.block_size = key_cache.size(1);
+  attn.block_stride = key_cache.stride(0);
+  attn.token_stride = key_cache.stride(1);
+  attn.q_row = query.stride(0);
+  attn.out_row = out.stride(0);
+  attn.max_blocks = block_tables.size(1);
+  attn.q_ptr = query.data_ptr<T>();
+  attn.k_ptr = key_cache.data_ptr<C>();
+  attn.v_ptr = value_cache.data_ptr<C>();
+  attn.o_ptr = out.data_ptr<T>();
+  attn.tables = block_tables.data_ptr<int32_t>();
+  attn.lens = seq_lens.data_ptr<int32_t>();
+  attn.k_scales = k_scales;
+  attn.v_scales = v_scales;
+  attn.scale = static_cast<float>(scale);
+  const int64_t group = attn.group, head_dim = attn.head_dim, kv_heads = attn.num_kv_heads;
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores, sums(group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * max_blocks;
-      scores.resize(group * len);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + seq * q_row + (kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
+  const int64_t threads = at::get_num_threads();
+  const int64_t pairs = num_seqs * kv_heads;
+  int64_t chunk = *std::max_element(attn.lens, attn.lens + num_seqs);
+  if (threads > 1 && pairs < kItemsPerThread * threads) {
+    const int64_t splits = (kItemsPerThread * threads + pairs - 1) / pairs;
+    chunk = std::max<int64_t>(kMinSplitTokens, ((chunk + splits - 1) / splits + 15) / 16 * 16);
+  }
+  struct Item {
+    int64_t seq, kv_head, begin, end, slot;  // slot: row of the partial results (-1: not split)
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first_slot(num_seqs, -1);
+  int64_t num_slots = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t len = attn.lens[seq], splits = (len + chunk - 1) / chunk;
+    if (splits > 1) first_slot[seq] = num_slots;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t s = 0; s < splits; ++s) {
+        items.push_back({seq, h, s * chunk, std::min(len, (s + 1) * chunk), splits > 1 ? num_slots++ : -1});
       }
-      // scores[g][t] = q_g . k_t
-      for_each_cached_row(k_ptr, k_scales, table, len, block_size, block_stride, token_stride, num_kv_heads, kv_head,
-                          head_dim, row.data(), [&](int64_t t, const float* k, float k_scale) {
-                            for (int64_t g = 0; g < group; ++g) {
-                              const float* qg = q.data() + g * head_dim;
-                              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                              for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-                              scores[g * len + t] = dot * k_scale;
-                            }
-                          });
-      // softmax numerators and sums
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float m = s[0];  // len >= 1 (the new token); no infinities (built with -ffast-math)
-        for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
-        sums[g] = sum;
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
+  // A split item's partial results: m [G], l [G], acc [G, head_dim].
+  const int64_t slot_size = group * (head_dim + 2);
+  std::vector<float> partials(num_slots * slot_size);
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[pairs]);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    for (int64_t h = 0; h < kv_heads; ++h) left[seq * kv_heads + h].store((attn.lens[seq] + chunk - 1) / chunk);
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+    typename DecodeAttention<T, C, kHeadDim>::Scratch w;
+    std::vector<float> own(group * (head_dim + 2));
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const Item& it = items[i];
+      float* slot = it.slot < 0 ? own.data() : partials.data() + it.slot * slot_size;
+      float *m = slot, *l = slot + group, *acc = slot + 2 * group;
+      attn.attend(it.seq, it.kv_head, it.begin, it.end, w, acc, m, l);
+      if (it.slot < 0) {
+        for (int64_t g = 0; g < group; ++g) attn.store(it.seq, it.kv_head * group + g, acc + g * head_dim, l[g]);
+        continue;
       }
-      // out_g = sum_t p[g][t] v_t / sum_g
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_cached_row(v_ptr, v_scales, table, len, block_size, block_stride, token_stride, num_kv_heads, kv_head,
-                          head_dim, row.data(), [&](int64_t t, const float* v, float v_scale) {
-                            for (int64_t g = 0; g < group; ++g) {
-                              const float p = scores[g * len + t] * v_scale;
-                              float* a = acc.data() + g * head_dim;
+      // The last item of a split (sequence, KV head) to finish combines its parts.
+      if (left[it.seq * kv_heads + it.kv_head].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      const int64_t splits = (attn.lens[it.seq] + chunk - 1) / chunk;
+      const int64_t first = first_slot[it.seq] + it.kv_head * splits;
+      for (int64_t g = 0; g < group; ++g) {
+        float mx = partials[first * slot_size + g];
+        for (int64_t s = 1; s < splits; ++s) mx = std::max(mx, partials[(first + s) * slot_size + g]);
+        float total = 0.f;
+        float* out_acc = own.data();
+        std::fill(out_acc, out_acc + head_dim, 0.f);
+        for (int64_t s = 0; s < splits; ++s) {
+          const float* part = partials.data() + (first + s) * slot_size;
+          const float weight = std::exp(part[g] - mx);
+          total += weight * part[group + g];
+          const float* a = part + 2 * group + g * head_dim;
 #pragma omp simd
-                              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-                            }
-                          });
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = o_ptr + seq * out_row + (kv_head * group + g) * head_dim;
-        const float inv = 1.f / sums[g];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d] * inv);
+          for (int64_t d = 0; d < head_dim; ++d) out_acc[d] += weight * a[d];
+        }
+        attn.store(it.seq, it.kv_head * group + g, out_acc, total);
       }
     }
   });
