@@ -287,3 +287,29 @@ def test_int8_linear_matches_the_dequantized_weight(rows):
         assert torch.equal(layer(x), got)
     torch.testing.assert_close(Int8Linear({"codes": codes, "scales": scales}, None)(x).float(), expected,
                                atol=3e-2, rtol=2e-2)  # PyTorch's _weight_int8pack_mm
+
+
+@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int8_gemm needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 7, 17, 64, 100])
+@pytest.mark.parametrize("out_features,in_features,with_bias", [(200, 576, False), (37, 48, True), (64, 1536, False)])
+def test_int8_gemm_matches_the_dequantized_weight(rows, out_features, in_features, with_bias):
+    """The many-row int8 kernel: row blocks of 8 and a remainder, a last panel of fewer than 32
+    output channels (37, 200), K a multiple of 16 but not of 32 (48); exact products, fp32 sums,
+    one rounding. Int8Linear takes it above its max_rows."""
+    from tokenmill.layers.linear import Int8Linear
+    from tokenmill.quantization.formats import quantize_int8
+
+    g = torch.Generator().manual_seed(rows)
+    codes, scales = quantize_int8(torch.randn(out_features, in_features, generator=g))
+    codes[0, :16] = -128  # the code range's end, exact in bf16 too
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
+    layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=kernels)
+    expected = (x.float() @ codes.float().t()) * layer.scales.float() + (bias.float() if with_bias else 0)
+    got = kernels.int8_gemm(x, layer.codes, layer.scales, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    if rows > layer.max_rows:
+        assert torch.equal(layer(x), kernels.int8_gemm(x, layer.codes, layer.scales))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.int8_gemm(x[:, :8].contiguous(), layer.codes[:, :8].contiguous(), layer.scales)

@@ -85,6 +85,8 @@ struct Linear {
       y = int8_linear(xb.contiguous(), *kernel_codes, scales);
     } else if (xb.size(0) <= param) {
       y = at::_weight_int8pack_mm(xb, weight, scales);
+    } else if (kernel_codes) {  // Int8Linear above max_rows, with the kernels
+      y = int8_gemm(xb.contiguous(), *kernel_codes, scales, c10::nullopt);
     } else {  // Int8Linear above max_rows: its dequantized weight in a bf16 matmul
       y = at::linear(xb, weight.to(at::kBFloat16) * scales.unsqueeze(1));
     }

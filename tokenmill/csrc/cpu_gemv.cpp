@@ -19,6 +19,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <initializer_list>
 #include <type_traits>
@@ -194,6 +196,106 @@ void for_output_rows(int64_t M, int64_t N, const Rows& rows) {
   });
 }
 
+// int8_gemm: output channels in panels of 32. A panel's codes widen once to bf16 (exact:
+// |code| <= 128) in the order vdpbf16ps wants them, buf[kp * 32 + j] = (code[j][2kp],
+// code[j][2kp + 1]) (16 rows' pairs transposed in registers); then every block of up to 8 rows of x runs over it, one x pair broadcast
+// per row and step, 8 x 2 accumulators.
+constexpr int64_t kPanel = 32;
+
+// The 16 x 16 transpose of 32-bit elements: a[i][k] -> out[k][i] (interleaves, then 128-bit
+// chunk shuffles; 64 shuffles).
+inline void transpose16(const __m512i* a, __m512i* out) {
+  __m512i b[16], c[16];
+  for (int i = 0; i < 16; i += 2) {
+    b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+    b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // c[4g + e], chunk L: element 4L + e of rows 4g .. 4g + 3
+    c[4 * g] = _mm512_unpacklo_epi64(b[4 * g], b[4 * g + 2]);
+    c[4 * g + 1] = _mm512_unpackhi_epi64(b[4 * g], b[4 * g + 2]);
+    c[4 * g + 2] = _mm512_unpacklo_epi64(b[4 * g + 1], b[4 * g + 3]);
+    c[4 * g + 3] = _mm512_unpackhi_epi64(b[4 * g + 1], b[4 * g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i y0 = _mm512_shuffle_i32x4(c[e], c[4 + e], 0x44), y1 = _mm512_shuffle_i32x4(c[e], c[4 + e], 0xEE);
+    const __m512i y2 = _mm512_shuffle_i32x4(c[8 + e], c[12 + e], 0x44);
+    const __m512i y3 = _mm512_shuffle_i32x4(c[8 + e], c[12 + e], 0xEE);
+    out[e] = _mm512_shuffle_i32x4(y0, y2, 0x88);
+    out[4 + e] = _mm512_shuffle_i32x4(y0, y2, 0xDD);
+    out[8 + e] = _mm512_shuffle_i32x4(y1, y3, 0x88);
+    out[12 + e] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
+  }
+}
+
+void int8_panel(const int8_t* codes, int64_t K, int64_t rows, uint32_t* buf) {
+  const auto widen = [](const int8_t* src) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  };
+  __m512i a[16], t[16];
+  for (int64_t k = 0; k < K; k += 32) {
+    const bool whole = k + 32 <= K;  // else K % 32 == 16: 8 pairs
+    for (int64_t half = 0; half < 2; ++half) {
+      for (int64_t i = 0; i < 16; ++i) {  // row i: 16 bf16 pairs (codes k .. k + 31)
+        const int64_t j = half * 16 + i;
+        if (j >= rows) {  // past the last output channel: zeros
+          a[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const int8_t* src = codes + j * K + k;
+        a[i] = (__m512i)_mm512_cvtne2ps_pbh(whole ? widen(src + 16) : _mm512_setzero_ps(), widen(src));
+      }
+      transpose16(a, t);
+      for (int64_t p = 0; p < (whole ? 16 : 8); ++p) _mm512_storeu_si512(buf + (k / 2 + p) * kPanel + half * 16, t[p]);
+    }
+  }
+}
+
+// R rows of y[:, panel] = (x codes^T) * scale: x as bf16 pairs (x_row pairs per row).
+template <int R>
+void int8_panel_rows(const uint32_t* x, int64_t x_row, const uint32_t* buf, int64_t kpairs, const float* scale,
+                     const float* bias, at::BFloat16* y, int64_t y_row, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(buf + kp * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(buf + kp * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_row + kp]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    auto* out = reinterpret_cast<uint16_t*>(y + r * y_row);
+    _mm256_mask_storeu_epi16(out, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][0], s0, b0)));
+    _mm256_mask_storeu_epi16(out + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][1], s1, b1)));
+  }
+}
+
+// Every row of x against one panel, 8 rows at a time, the last block's rows as a constant.
+void int8_panel_all_rows(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* buf, const float* scale,
+                         const float* bias, at::BFloat16* y, int64_t N, int64_t cols) {
+  int64_t m = 0;
+  const auto block = [&](auto r) {
+    int8_panel_rows<decltype(r)::value>(x + m * kpairs, kpairs, buf, kpairs, scale, bias, y + m * N, N, cols);
+  };
+  for (; m + 8 <= M; m += 8) block(std::integral_constant<int, 8>{});
+  switch (M - m) {
+    case 7: block(std::integral_constant<int, 7>{}); break;
+    case 6: block(std::integral_constant<int, 6>{}); break;
+    case 5: block(std::integral_constant<int, 5>{}); break;
+    case 4: block(std::integral_constant<int, 4>{}); break;
+    case 3: block(std::integral_constant<int, 3>{}); break;
+    case 2: block(std::integral_constant<int, 2>{}); break;
+    case 1: block(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
 }  // namespace
 #endif
 
@@ -291,6 +393,50 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
   for_output_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
     int8_rows<decltype(m)::value>(xp, cp, sp, out, K, N, begin, end);
+  });
+#endif
+  return y;
+}
+
+// x [M, K] bf16 contiguous, any M >= 1; codes [N, K] int8 contiguous, K a multiple of 16; scales
+// [N] bf16; bias [N] or None. Returns y [M, N] = (x codes^T) * scales + bias in bf16: exact
+// products, fp32 sums, rounded once. For many rows (Int8Linear above its max_rows), where
+// `_weight_int8pack_mm` is compute-bound at a fraction of a bf16 matmul's speed.
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(gemv_supported(), "int8_gemm needs AVX-512 BF16 (see gemv_supported)");
+  for (const at::Tensor* t : {&x, &codes, &scales}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
+  }
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1, "x: bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == K && K % 16 == 0,
+              "codes: int8 [N, K], K a multiple of 16");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu()), "bias: [N]");
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef TOKENMILL_GEMV_KERNELS
+  const int64_t panels = (N + kPanel - 1) / kPanel, kpairs = K / 2;
+  // fp32 scales and biases, padded to whole panels
+  std::vector<float> scale(panels * kPanel, 0.f), shift(panels * kPanel, 0.f);
+  const at::Tensor s32 = scales.to(at::kFloat);
+  std::copy(s32.data_ptr<float>(), s32.data_ptr<float>() + N, scale.begin());
+  if (bias) {
+    const at::Tensor b32 = bias->to(at::kFloat).contiguous();
+    std::copy(b32.data_ptr<float>(), b32.data_ptr<float>() + N, shift.begin());
+  }
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // Panels go to whichever thread is free (a thread the OS pauses holds no fixed share).
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), panels), 1, [&](int64_t, int64_t) {
+    std::vector<uint32_t> buf(kpairs * kPanel);
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < panels;) {
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      int8_panel(cp + n0 * K, K, cols, buf.data());
+      int8_panel_all_rows(xp, M, kpairs, buf.data(), scale.data() + n0, shift.data() + n0, yp + n0, N, cols);
+    }
   });
 #endif
   return y;

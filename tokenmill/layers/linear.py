@@ -14,13 +14,15 @@ The weight-only kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_f
 quarter / an eighth of fp32's bytes, which is what decide batch-1 decode speed. They compute in
 bf16 (fed fp32 they are many times slower), so activations are cast to bf16 around them. With
 many rows the matmul is compute-bound and these kernels are slower than a bf16 matmul: above
-`max_rows` rows, `Int8Linear` dequantizes its weight and runs a plain bf16 matmul instead.
+`max_rows` rows, `Int8Linear` runs the compiled `int8_gemm` (at the speed of a bf16 matmul,
+2-3.5x PyTorch's int8 kernel at 64 rows), or without the kernels dequantizes its weight and
+runs a plain bf16 matmul.
 
 Given the compiled CPU kernels (`layers.cpu_kernels`, on a CPU with AVX-512 BF16), the bf16,
 int8 and int4 layers run matmuls of 1-3 rows — decode steps of a few requests — with
 tokenmill's own `bf16_linear` / `int8_linear` / `int4_linear` (csrc/cpu_gemv.cpp), which read
 the weight at close to memory speed where PyTorch's kernels do not (1.3-1.6x on the default
-model's matrices at 1 row); more rows keep PyTorch's kernels.
+model's matrices at 1 row); more rows keep PyTorch's kernels (int8 above `max_rows`: `int8_gemm`).
 """
 
 from __future__ import annotations
@@ -107,9 +109,11 @@ class QuantizedLinear(nn.Module):
 
 class Int8Linear(QuantizedLinear):
     """Weight-only int8 (`_weight_int8pack_mm`, bf16 activations). With many rows the matmul
-    is compute-bound and the kernel loses to a bf16 matmul: above `max_rows` rows the weight is
-    dequantized and multiplied in bf16. With `kernels` (see Int4Linear; in_features a multiple
-    of 16), 1-3 rows run `kernels.int8_linear` on the same codes."""
+    is compute-bound and that kernel runs at a fraction of a bf16 matmul's speed: above
+    `max_rows` rows, `kernels.int8_gemm` (codes widened to bf16 once per panel of 32 output
+    channels, vdpbf16ps over all rows) where the kernels are given, else the weight dequantized
+    and multiplied in bf16. With `kernels` (see Int4Linear; in_features a multiple of 16), 1-3
+    rows run `kernels.int8_linear` on the same codes."""
 
     def __init__(self, record, bias, max_rows: int = 16, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
@@ -132,6 +136,8 @@ class Int8Linear(QuantizedLinear):
             return self.kernel.int8_linear(xb.contiguous(), self.codes, self.scales)
         if xb.shape[0] <= self.max_rows:
             return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
+        if self.kernel is not None:
+            return self.kernel.int8_gemm(xb.contiguous(), self.codes, self.scales)
         return F.linear(xb, self.dequantized())
 
     def cpu_decoder_spec(self):
