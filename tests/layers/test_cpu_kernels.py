@@ -313,3 +313,31 @@ def test_int8_gemm_matches_the_dequantized_weight(rows, out_features, in_feature
         assert torch.equal(layer(x), kernels.int8_gemm(x, layer.codes, layer.scales))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernels.int8_gemm(x[:, :8].contiguous(), layer.codes[:, :8].contiguous(), layer.scales)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int4_gemm needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 4, 9, 64])
+@pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
+def test_int4_gemm_matches_the_dequantized_weight(rows, out_features, in_features, group_size):
+    """The many-row int4 kernel reads int4_linear's codes and pairs; each weight is q * scale + min
+    rounded once to bf16, then exact products and fp32 sums. Int4Linear takes it from
+    INT4_GEMM_MIN_ROWS rows."""
+    from tokenmill.layers.linear import INT4_GEMM_MIN_ROWS, Int4Linear
+    from tokenmill.quantization.formats import pack_int4
+
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
+    groups = in_features // group_size
+    record = {"codes": pack_int4(codes), "scales": torch.rand(out_features, groups, generator=g) * 0.02 + 1e-3,
+              "mins": -torch.rand(out_features, groups, generator=g) * 0.1}
+    layer = Int4Linear(record, None, kernels)
+    scales, mins = (record[k].bfloat16().float().repeat_interleave(group_size, 1) for k in ("scales", "mins"))
+    weight = (codes * scales + mins).bfloat16().float()  # rounded once, as the kernel rounds it
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    got = kernels.int4_gemm(x, layer.kernel_codes, layer.kernel_pairs, group_size)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=1e-3, rtol=2**-8)
+    if rows >= INT4_GEMM_MIN_ROWS:
+        assert torch.equal(layer(x), got)
+    # within PyTorch's kernel's distance of the unrounded weight (its tolerance above)
+    torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)

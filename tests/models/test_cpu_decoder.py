@@ -80,9 +80,11 @@ def test_bf16_onednn_linears(bf16_runner, seq_lens):
 
 
 @pytest.mark.parametrize("options,seq_lens", [
-    ({"quantization": "int4"}, [5, 40, 33]),
+    ({"quantization": "int4"}, [5, 40, 33]),  # int4_linear (<= 3 rows)
+    ({"quantization": "int4"}, [5, 40, 33, 7, 90, 12]),  # PyTorch's int4 kernel (4-23 rows)
+    ({"quantization": "int4"}, list(range(1, 31))),  # int4_gemm (>= 24 rows)
     ({"quantization": "int8"}, [3, 70]),  # the int8 kernel (<= 16 rows)
-    ({"quantization": "int8"}, list(range(1, 41))),  # dequantized bf16 matmuls (> 16 rows)
+    ({"quantization": "int8"}, list(range(1, 41))),  # int8_gemm (> 16 rows)
     ({"kv_cache_dtype": "int8"}, [9, 130]),
 ])
 def test_quantized_linears_and_kv_cache(options, seq_lens):

@@ -34,8 +34,9 @@ struct Linear {
   // bf16_linear's plain weight.
   c10::optional<at::Tensor> kernel_codes, kernel_pairs;
   int64_t kernel_max_rows = 0;  // the most rows for them (layers/linear.py KERNEL_MAX_ROWS)
+  int64_t gemm_min_rows = 0;  // int4: from how many rows int4_gemm runs (INT4_GEMM_MIN_ROWS)
 
-  static Linear from_spec(const py::tuple& spec, int64_t kernel_max_rows) {
+  static Linear from_spec(const py::tuple& spec, int64_t kernel_max_rows, int64_t gemm_min_rows) {
     TORCH_CHECK(spec.size() == 8, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, pairs)");
     Linear l;
     const auto kind = spec[0].cast<std::string>();
@@ -56,6 +57,7 @@ struct Linear {
     if (!spec[4].is_none()) l.input_scale = spec[4].cast<at::Tensor>();
     l.param = spec[5].cast<int64_t>();
     l.kernel_max_rows = kernel_max_rows;
+    l.gemm_min_rows = gemm_min_rows;
     if (!spec[6].is_none()) l.kernel_codes = spec[6].cast<at::Tensor>();
     if (!spec[7].is_none()) l.kernel_pairs = spec[7].cast<at::Tensor>();
     return l;
@@ -79,6 +81,8 @@ struct Linear {
     at::Tensor y;
     if (kind == Kind::kInt4 && kernel_codes && xb.size(0) <= kernel_max_rows) {
       y = int4_linear(xb.contiguous(), *kernel_codes, *kernel_pairs, param);
+    } else if (kind == Kind::kInt4 && kernel_codes && xb.size(0) >= gemm_min_rows) {  // many rows
+      y = int4_gemm(xb.contiguous(), *kernel_codes, *kernel_pairs, param);
     } else if (kind == Kind::kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(xb, weight, param, scales);
     } else if (kernel_codes && xb.size(0) <= kernel_max_rows) {  // int8
@@ -112,9 +116,10 @@ struct Layer {
 class DecoderStack {
  public:
   // layers: per decoder layer (input_norm_weight, post_norm_weight, qkv, o, gate_up, down specs);
-  // kernel_max_rows: up to how many rows a linear with a few-row kernel runs it.
+  // kernel_max_rows: up to how many rows a linear with a few-row kernel runs it; gemm_min_rows:
+  // from how many rows an int4 linear with the kernels runs int4_gemm.
   DecoderStack(const py::list& layers, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               int64_t intermediate_size, double scale, int64_t kernel_max_rows)
+               int64_t intermediate_size, double scale, int64_t kernel_max_rows, int64_t gemm_min_rows)
       : eps_(eps),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
@@ -124,7 +129,7 @@ class DecoderStack {
     for (const auto& item : layers) {
       const auto t = item.cast<py::tuple>();
       TORCH_CHECK(t.size() == 6, "a layer is (input_norm, post_norm, qkv, o, gate_up, down)");
-      const auto linear = [&](int i) { return Linear::from_spec(t[i], kernel_max_rows); };
+      const auto linear = [&](int i) { return Linear::from_spec(t[i], kernel_max_rows, gemm_min_rows); };
       layers_.push_back(Layer{t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), linear(2), linear(3), linear(4), linear(5)});
     }
   }
@@ -177,9 +182,11 @@ class DecoderStack {
 
 void bind_decoder_stack(py::module& m) {
   py::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decoder's layers for decode-only steps (CPU)")
-      .def(py::init<const py::list&, double, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("layers"),
+      .def(py::init<const py::list&, double, int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t>(),
+           py::arg("layers"),
            py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("intermediate_size"), py::arg("scale"), py::arg("kernel_max_rows"))
+           py::arg("intermediate_size"), py::arg("scale"), py::arg("kernel_max_rows"),
+           py::arg("gemm_min_rows"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("kv_caches"),
            py::call_guard<py::gil_scoped_release>());

@@ -227,22 +227,18 @@ inline void transpose16(const __m512i* a, __m512i* out) {
   }
 }
 
-void int8_panel(const int8_t* codes, int64_t K, int64_t rows, uint32_t* buf) {
-  const auto widen = [](const int8_t* src) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  };
+// A panel from its rows: buf[kp * 32 + j] = pair kp of output channel j, where
+// row_pairs(j, k, whole) gives channel j's bf16 pairs for k .. k + 31 (whole = false: k .. k + 15
+// in the low half, K % 32 == 16); channels past `rows` are zeros.
+template <typename RowPairs>
+void fill_panel(int64_t K, int64_t rows, uint32_t* buf, const RowPairs& row_pairs) {
   __m512i a[16], t[16];
   for (int64_t k = 0; k < K; k += 32) {
-    const bool whole = k + 32 <= K;  // else K % 32 == 16: 8 pairs
+    const bool whole = k + 32 <= K;
     for (int64_t half = 0; half < 2; ++half) {
-      for (int64_t i = 0; i < 16; ++i) {  // row i: 16 bf16 pairs (codes k .. k + 31)
+      for (int64_t i = 0; i < 16; ++i) {
         const int64_t j = half * 16 + i;
-        if (j >= rows) {  // past the last output channel: zeros
-          a[i] = _mm512_setzero_si512();
-          continue;
-        }
-        const int8_t* src = codes + j * K + k;
-        a[i] = (__m512i)_mm512_cvtne2ps_pbh(whole ? widen(src + 16) : _mm512_setzero_ps(), widen(src));
+        a[i] = j < rows ? row_pairs(j, k, whole) : _mm512_setzero_si512();
       }
       transpose16(a, t);
       for (int64_t p = 0; p < (whole ? 16 : 8); ++p) _mm512_storeu_si512(buf + (k / 2 + p) * kPanel + half * 16, t[p]);
@@ -250,9 +246,9 @@ void int8_panel(const int8_t* codes, int64_t K, int64_t rows, uint32_t* buf) {
   }
 }
 
-// R rows of y[:, panel] = (x codes^T) * scale: x as bf16 pairs (x_row pairs per row).
+// R rows of y[:, panel] = (x buf) * scale + bias: x as bf16 pairs (x_row pairs per row).
 template <int R>
-void int8_panel_rows(const uint32_t* x, int64_t x_row, const uint32_t* buf, int64_t kpairs, const float* scale,
+void panel_rows(const uint32_t* x, int64_t x_row, const uint32_t* buf, int64_t kpairs, const float* scale,
                      const float* bias, at::BFloat16* y, int64_t y_row, int64_t cols) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -277,11 +273,11 @@ void int8_panel_rows(const uint32_t* x, int64_t x_row, const uint32_t* buf, int6
 }
 
 // Every row of x against one panel, 8 rows at a time, the last block's rows as a constant.
-void int8_panel_all_rows(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* buf, const float* scale,
+void panel_all_rows(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* buf, const float* scale,
                          const float* bias, at::BFloat16* y, int64_t N, int64_t cols) {
   int64_t m = 0;
   const auto block = [&](auto r) {
-    int8_panel_rows<decltype(r)::value>(x + m * kpairs, kpairs, buf, kpairs, scale, bias, y + m * N, N, cols);
+    panel_rows<decltype(r)::value>(x + m * kpairs, kpairs, buf, kpairs, scale, bias, y + m * N, N, cols);
   };
   for (; m + 8 <= M; m += 8) block(std::integral_constant<int, 8>{});
   switch (M - m) {
@@ -294,6 +290,47 @@ void int8_panel_all_rows(const uint32_t* x, int64_t M, int64_t kpairs, const uin
     case 1: block(std::integral_constant<int, 1>{}); break;
     default: break;
   }
+}
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+}
+
+// y = (x W^T) * scales + bias over panels of 32 output channels (W's row j as bf16 pairs from
+// row_pairs(j, k, whole), see fill_panel); scales and bias [N] or None. Panels go to whichever
+// thread is free (a thread the OS pauses holds no fixed share).
+template <typename RowPairs, typename PrefetchRows>
+void panel_gemm(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& bias, at::Tensor& y, const RowPairs& row_pairs,
+                const PrefetchRows& prefetch_rows) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel, kpairs = K / 2;
+  // fp32 scales and biases, padded to whole panels
+  std::vector<float> scale(panels * kPanel, 1.f), shift(panels * kPanel, 0.f);
+  if (scales) {
+    const at::Tensor s32 = scales->to(at::kFloat).contiguous();
+    std::copy(s32.data_ptr<float>(), s32.data_ptr<float>() + N, scale.begin());
+  }
+  if (bias) {
+    const at::Tensor b32 = bias->to(at::kFloat).contiguous();
+    std::copy(b32.data_ptr<float>(), b32.data_ptr<float>() + N, shift.begin());
+  }
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), panels), 1, [&](int64_t, int64_t) {
+    std::vector<uint32_t> buf(kpairs * kPanel);
+    // Each thread takes its next panel before it works on the current one and prefetches its
+    // weight rows (32 strided rows are more streams than the hardware prefetcher follows).
+    for (int64_t p = next.fetch_add(1, std::memory_order_relaxed); p < panels;) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      if (after < panels) prefetch_rows(after * kPanel, std::min(kPanel, N - after * kPanel));
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      fill_panel(K, cols, buf.data(), [&](int64_t j, int64_t k, bool whole) { return row_pairs(n0 + j, k, whole); });
+      panel_all_rows(xp, M, kpairs, buf.data(), scale.data() + n0, shift.data() + n0, yp + n0, N, cols);
+      p = after;
+    }
+  });
 }
 
 }  // namespace
@@ -311,6 +348,16 @@ void check_few_rows(const char* kernel, const at::Tensor& x, std::initializer_li
               "x: bf16 [M, K] with 1 <= M <= 4");
 }
 
+// int4_linear's and int4_gemm's weight: packed [N, K/2] uint8, pairs [N, K/group_size, 2] bf16.
+void check_int4_weight(int64_t K, int64_t N, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+  TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
+              "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == K / 2, "packed: uint8 [N, K/2]");
+  TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == N &&
+                  pairs.size(1) == K / group_size && pairs.size(2) == 2,
+              "pairs: bf16 [N, K/group_size, 2]");
+}
+
 }  // namespace
 
 // x [M, K] bf16 contiguous, 1 <= M <= 4; packed [N, K/2] uint8 (chunk layout above); pairs
@@ -319,13 +366,8 @@ void check_few_rows(const char* kernel, const at::Tensor& x, std::initializer_li
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   check_few_rows("int4_linear", x, {&packed, &pairs});
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
-              "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
+  check_int4_weight(K, N, packed, pairs, group_size);
   const int64_t groups = K / group_size;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == K / 2, "packed: uint8 [N, K/2]");
-  TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == N && pairs.size(1) == groups &&
-                  pairs.size(2) == 2,
-              "pairs: bf16 [N, K/group_size, 2]");
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef TOKENMILL_GEMV_KERNELS
   const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
@@ -416,27 +458,50 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu()), "bias: [N]");
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef TOKENMILL_GEMV_KERNELS
-  const int64_t panels = (N + kPanel - 1) / kPanel, kpairs = K / 2;
-  // fp32 scales and biases, padded to whole panels
-  std::vector<float> scale(panels * kPanel, 0.f), shift(panels * kPanel, 0.f);
-  const at::Tensor s32 = scales.to(at::kFloat);
-  std::copy(s32.data_ptr<float>(), s32.data_ptr<float>() + N, scale.begin());
-  if (bias) {
-    const at::Tensor b32 = bias->to(at::kFloat).contiguous();
-    std::copy(b32.data_ptr<float>(), b32.data_ptr<float>() + N, shift.begin());
+  const auto* cp = codes.data_ptr<int8_t>();
+  const auto widen = [](const int8_t* src) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  };
+  panel_gemm(x, N, scales, bias, y, [&](int64_t j, int64_t k, bool whole) {
+    const int8_t* src = cp + j * K + k;
+    return (__m512i)_mm512_cvtne2ps_pbh(whole ? widen(src + 16) : _mm512_setzero_ps(), widen(src));
+  }, [&](int64_t n0, int64_t rows) { prefetch_bytes(cp + n0 * K, rows * K); });
+#endif
+  return y;
+}
+
+// x [M, K] bf16 contiguous, any M >= 1; packed and pairs as int4_linear's. Returns y [M, N] bf16:
+// each weight q * scale + min rounded once to bf16 (as a bf16 model's weight is), exact
+// products with x, fp32 sums, one rounding. For 4+ rows (Int4Linear), where
+// `_weight_int4pack_mm_for_cpu` is compute-bound at about half a bf16 matmul's speed.
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+  TORCH_CHECK(gemv_supported(), "int4_gemm needs AVX-512 BF16 (see gemv_supported)");
+  for (const at::Tensor* t : {&x, &packed, &pairs}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
   }
-  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  const int8_t* cp = codes.data_ptr<int8_t>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // Panels go to whichever thread is free (a thread the OS pauses holds no fixed share).
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), panels), 1, [&](int64_t, int64_t) {
-    std::vector<uint32_t> buf(kpairs * kPanel);
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < panels;) {
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      int8_panel(cp + n0 * K, K, cols, buf.data());
-      int8_panel_all_rows(xp, M, kpairs, buf.data(), scale.data() + n0, shift.data() + n0, yp + n0, N, cols);
-    }
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1, "x: bf16 [M, K]");
+  const int64_t K = x.size(1), N = packed.size(0);
+  check_int4_weight(K, N, packed, pairs, group_size);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+#ifdef TOKENMILL_GEMV_KERNELS
+  const int64_t groups = K / group_size;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  panel_gemm(x, N, c10::nullopt, c10::nullopt, y, [&](int64_t j, int64_t k, bool) {
+    // the group's 16 possible weights, v * scale + min rounded to bf16, as a lookup table
+    const uint32_t pair = p[j * groups + k / group_size];
+    const __m512i table = _mm512_castsi256_si512(
+        (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, broadcast_bf16_low(pair), broadcast_bf16_low(pair >> 16))));
+    // codes k .. k + 31: the low nibbles of their 64-code chunk's 32 bytes, or the high ones
+    const __m512i bytes =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * (K / 2) + (k / 64) * 32)));
+    return _mm512_permutexvar_epi16(k % 64 == 0 ? _mm512_and_si512(bytes, low_nibble) : _mm512_srli_epi16(bytes, 4),
+                                    table);
+  }, [&](int64_t n0, int64_t rows) {
+    prefetch_bytes(w + n0 * (K / 2), rows * (K / 2));
+    prefetch_bytes(p + n0 * groups, rows * groups * 4);
   });
 #endif
   return y;

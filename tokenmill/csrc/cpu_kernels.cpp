@@ -697,6 +697,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("codes"), pybind11::arg("scales"));
   m.def("int8_gemm", &int8_gemm, "weight-only int8 linear at any number of rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
+  m.def("int4_gemm", &int4_gemm, "weight-only int4 linear at any number of rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("pairs"), pybind11::arg("group_size"));
   m.def("gemv_supported", &gemv_supported, "whether int4_linear, int8_linear and bf16_linear were built (AVX-512 BF16)");
   bind_decoder_stack(m);
 }

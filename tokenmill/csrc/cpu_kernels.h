@@ -25,9 +25,11 @@ bool gemv_supported();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
-// cpu_gemv.cpp: int8 weights x bf16 at any number of rows (the many-row path of Int8Linear).
+// cpu_gemv.cpp: int8 / int4 weights x bf16 at any number of rows (Int8Linear above its max_rows,
+// Int4Linear above KERNEL_MAX_ROWS).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 
 // Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
 void bind_decoder_stack(pybind11::module& m);

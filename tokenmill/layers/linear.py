@@ -22,7 +22,8 @@ Given the compiled CPU kernels (`layers.cpu_kernels`, on a CPU with AVX-512 BF16
 int8 and int4 layers run matmuls of 1-3 rows — decode steps of a few requests — with
 tokenmill's own `bf16_linear` / `int8_linear` / `int4_linear` (csrc/cpu_gemv.cpp), which read
 the weight at close to memory speed where PyTorch's kernels do not (1.3-1.6x on the default
-model's matrices at 1 row); more rows keep PyTorch's kernels (int8 above `max_rows`: `int8_gemm`).
+model's matrices at 1 row); more rows keep PyTorch's kernels, except many rows of int8 (above
+`max_rows`: `int8_gemm`) and int4 (from `INT4_GEMM_MIN_ROWS`: `int4_gemm`), at a bf16 matmul's speed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from tokenmill.quantization.formats import FP8_MAX, quantize_rows_int8, unpack_i
 # The most rows the few-row kernels take here and in the DecoderStack. At 4 rows int4_linear is
 # on par with PyTorch's kernel.
 KERNEL_MAX_ROWS = 3
+# From how many rows Int4Linear runs `int4_gemm` (here and in the DecoderStack): over the default
+# model's 120 layer matrices on 2 cores 0.83x PyTorch's int4 kernel at 16 rows, 1.23x at 32,
+# 1.75x at 64 (below, its per-panel widening of the codes is not paid back).
+INT4_GEMM_MIN_ROWS = 24
 
 
 def _bf16_packing_supported(device: torch.device) -> bool:
@@ -153,7 +158,9 @@ class Int4Linear(QuantizedLinear):
     decode steps of a few requests — run `kernels.int4_linear` instead (csrc/cpu_gemv.cpp; over
     the default model's 120 matrices on 2 cores 1.42x faster than PyTorch's at 1 row, 1.13x at
     2-3, on par at 4), from a second copy of the codes in its own layout (the weights' memory
-    doubles) and (scale, min) as bf16 pairs; more rows keep PyTorch's kernel."""
+    doubles) and (scale, min) as bf16 pairs; from INT4_GEMM_MIN_ROWS rows `kernels.int4_gemm`
+    on the same copy (each panel of 32 output channels widened once to bf16 weights, then
+    vdpbf16ps over every row); in between PyTorch's kernel."""
 
     def __init__(self, record, bias, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
@@ -180,6 +187,8 @@ class Int4Linear(QuantizedLinear):
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.kernel is not None and xb.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernel.int4_linear(xb.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
+        if self.kernel is not None and xb.shape[0] >= INT4_GEMM_MIN_ROWS:
+            return self.kernel.int4_gemm(xb.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
 
     def cpu_decoder_spec(self):
@@ -241,7 +250,7 @@ assert tuple(LINEAR_CLASSES) == QUANTIZATION_METHODS
 def build_linear(method: str, record: dict[str, torch.Tensor], bias: torch.Tensor | None,
                  cpu_kernels=None) -> QuantizedLinear:
     """The layer for a record of `method` (tensors already on the layer's device); `cpu_kernels`
-    (layers.cpu_kernels.load()) for the int4 and int8 layers' few-row kernels."""
+    (layers.cpu_kernels.load()) for the int4 and int8 layers' compiled kernels (few rows and many)."""
     if method == "int4":
         return Int4Linear(record, bias, cpu_kernels)
     if method == "int8":

@@ -71,16 +71,18 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
     has a method for its quantized layer, calibrating first when the algorithm needs it (then
     `tokenizer` is required). Returns the records by linear name (what a checkpoint stores).
     The quantized layers keep their records as they are when the model is later cast to the
-    compute dtype (only their bias follows). `cpu_kernels`: see build_linear."""
+    compute dtype (only their bias follows). `cpu_kernels`: see build_linear; the layers get them
+    once every record is made, so that calibration (which runs the layers quantized so far)
+    computes the same records with or without them, as `tokenmill quantize` does."""
     names = linear_names(model)
-    records = {}
+    records, biases = {}, {}
 
     def quantize(name: str, stats) -> None:
         linear, method = model.get_submodule(name), qconfig.method_of(name)
-        bias = None if linear.bias is None else linear.bias.detach()
+        biases[name] = None if linear.bias is None else linear.bias.detach()
         record = _record(method, qconfig, linear.weight.detach(), stats)
         records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
-        _replace(model, name, build_linear(method, records[name], bias, cpu_kernels))
+        _replace(model, name, build_linear(method, records[name], biases[name]))
 
     t0 = time.perf_counter()
     if qconfig.algorithm != "rtn":
@@ -93,6 +95,9 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
     for name in names:
         if name not in records and qconfig.method_of(name) is not None:  # else it stays an nn.Linear
             quantize(name, None)  # (`convert_linears` makes it dense in the compute dtype)
+    if cpu_kernels is not None:
+        for name, record in records.items():
+            _replace(model, name, build_linear(qconfig.method_of(name), record, biases[name], cpu_kernels))
     _log.info("quantized %d linear layers (%s, %s) in %.1f s", len(records), qconfig.method, qconfig.algorithm, time.perf_counter() - t0)
     return records
 
