@@ -66,6 +66,8 @@ def test_decode_kernel_refuses_bad_arguments():
         kernels.paged_decode_attention(out.bfloat16(), query.bfloat16(), *cache, tables, lens, 0.3)
     with pytest.raises(RuntimeError, match=">= 1"):
         kernels.paged_decode_attention(out, query, *cache, tables, torch.zeros(1, dtype=torch.int32), 0.3)
+    # no sequences: nothing to do
+    kernels.paged_decode_attention(out[:0], query[:0], *cache, tables[:0], lens[:0], 0.3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -218,22 +220,29 @@ def test_rope_write_kv_quantizes_into_an_int8_cache_as_quantize_kv_does(dtype):
     assert scales[1].view(-1, kv_heads)[slots[3]].eq(0).all()
 
 
+def random_int4(out_features: int, in_features: int, group_size: int, g: torch.Generator):
+    """Random int4 codes and their record; and each weight's scale and min per input channel as
+    the kernels see them (rounded to bf16)."""
+    from tokenmill.quantization.formats import pack_int4
+
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
+    groups = in_features // group_size
+    record = {"codes": pack_int4(codes), "scales": torch.rand(out_features, groups, generator=g) * 0.02 + 1e-3,
+              "mins": -torch.rand(out_features, groups, generator=g) * 0.1}
+    scales, mins = (record[k].bfloat16().float().repeat_interleave(group_size, 1) for k in ("scales", "mins"))
+    return codes, record, scales, mins
+
+
 @pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int4_linear needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
 def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_features, group_size):
     from tokenmill.layers.linear import KERNEL_MAX_ROWS, Int4Linear
-    from tokenmill.quantization.formats import pack_int4
 
     g = torch.Generator().manual_seed(rows)
-    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
-    groups = in_features // group_size
-    record = {"codes": pack_int4(codes), "scales": torch.rand(out_features, groups, generator=g) * 0.02 + 1e-3,
-              "mins": -torch.rand(out_features, groups, generator=g) * 0.1}
+    codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
     layer = Int4Linear(record, None, kernels)
     assert layer.kernel is kernels
-    # the weight as the kernel sees it: scales and mins rounded to bf16
-    scales, mins = (record[k].bfloat16().float().repeat_interleave(group_size, 1) for k in ("scales", "mins"))
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     expected = x.float() @ (codes * scales + mins).t()
     got = kernels.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, group_size)
@@ -323,15 +332,10 @@ def test_int4_gemm_matches_the_dequantized_weight(rows, out_features, in_feature
     rounded once to bf16, then exact products and fp32 sums. Int4Linear takes it from
     INT4_GEMM_MIN_ROWS rows."""
     from tokenmill.layers.linear import INT4_GEMM_MIN_ROWS, Int4Linear
-    from tokenmill.quantization.formats import pack_int4
 
     g = torch.Generator().manual_seed(rows)
-    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
-    groups = in_features // group_size
-    record = {"codes": pack_int4(codes), "scales": torch.rand(out_features, groups, generator=g) * 0.02 + 1e-3,
-              "mins": -torch.rand(out_features, groups, generator=g) * 0.1}
+    codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
     layer = Int4Linear(record, None, kernels)
-    scales, mins = (record[k].bfloat16().float().repeat_interleave(group_size, 1) for k in ("scales", "mins"))
     weight = (codes * scales + mins).bfloat16().float()  # rounded once, as the kernel rounds it
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     got = kernels.int4_gemm(x, layer.kernel_codes, layer.kernel_pairs, group_size)

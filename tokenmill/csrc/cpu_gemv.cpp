@@ -1,6 +1,6 @@
 // Matmuls of a few rows (the decode steps of 1-3 requests) that read the weight once at close to
 // memory speed, where PyTorch's kernels leave bandwidth unused on this model's small matrices
-// (2 cores, AVX-512 BF16). Built only where the compiler targets AVX-512 BF16 (-march=native on
+// (2 cores, AVX-512 BF16), and int8 / int4 matmuls of many rows (below). Built only where the compiler targets AVX-512 BF16 (-march=native on
 // such a CPU); elsewhere gemv_supported() is false and the linears keep PyTorch's kernels.
 //
 // int4_linear: weight-only int4 (layers/linear.py Int4Linear). w = q * scale + min per group of
@@ -13,8 +13,11 @@
 // bf16_linear: a bf16 weight [N, K] as it is (DenseLinear), 32 weights per vdpbf16ps.
 // int8_linear: weight-only int8 with one scale per output row (Int8Linear, the quantized
 // configs' LM head), codes widened to fp32 16 at a time, fp32 FMAs, the scale applied once.
-// Both: parallel over output rows, several accumulators per row so that the additions do not
-// wait on each other, the result rounded once to bf16.
+// All three: parallel over output rows, several accumulators per row so that the additions do
+// not wait on each other, the result rounded once to bf16.
+// int8_gemm / int4_gemm: the same weights at many rows, compute-bound there, at about a bf16
+// matmul's speed: panels of 32 output channels widened once to bf16 (int8 codes exactly; int4
+// through a per-group table of v * scale + min rounded to bf16), then vdpbf16ps over every row.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -196,10 +199,10 @@ void for_output_rows(int64_t M, int64_t N, const Rows& rows) {
   });
 }
 
-// int8_gemm: output channels in panels of 32. A panel's codes widen once to bf16 (exact:
-// |code| <= 128) in the order vdpbf16ps wants them, buf[kp * 32 + j] = (code[j][2kp],
-// code[j][2kp + 1]) (16 rows' pairs transposed in registers); then every block of up to 8 rows of x runs over it, one x pair broadcast
-// per row and step, 8 x 2 accumulators.
+// Many rows (int8_gemm, int4_gemm): output channels in panels of 32. A panel's weights widen
+// once to bf16 in the order vdpbf16ps wants them, buf[kp * 32 + j] = (w[j][2kp], w[j][2kp + 1])
+// (16 channels' pairs transposed in registers); then every block of up to 8 rows of x runs over
+// it, one x pair broadcast per row and step, 8 x 2 accumulators.
 constexpr int64_t kPanel = 32;
 
 // The 16 x 16 transpose of 32-bit elements: a[i][k] -> out[k][i] (interleaves, then 128-bit
@@ -249,7 +252,7 @@ void fill_panel(int64_t K, int64_t rows, uint32_t* buf, const RowPairs& row_pair
 // R rows of y[:, panel] = (x buf) * scale + bias: x as bf16 pairs (x_row pairs per row).
 template <int R>
 void panel_rows(const uint32_t* x, int64_t x_row, const uint32_t* buf, int64_t kpairs, const float* scale,
-                     const float* bias, at::BFloat16* y, int64_t y_row, int64_t cols) {
+                const float* bias, at::BFloat16* y, int64_t y_row, int64_t cols) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < kpairs; ++kp) {
@@ -274,7 +277,7 @@ void panel_rows(const uint32_t* x, int64_t x_row, const uint32_t* buf, int64_t k
 
 // Every row of x against one panel, 8 rows at a time, the last block's rows as a constant.
 void panel_all_rows(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* buf, const float* scale,
-                         const float* bias, at::BFloat16* y, int64_t N, int64_t cols) {
+                    const float* bias, at::BFloat16* y, int64_t N, int64_t cols) {
   int64_t m = 0;
   const auto block = [&](auto r) {
     panel_rows<decltype(r)::value>(x + m * kpairs, kpairs, buf, kpairs, scale, bias, y + m * N, N, cols);
@@ -472,8 +475,8 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 // x [M, K] bf16 contiguous, any M >= 1; packed and pairs as int4_linear's. Returns y [M, N] bf16:
 // each weight q * scale + min rounded once to bf16 (as a bf16 model's weight is), exact
-// products with x, fp32 sums, one rounding. For 4+ rows (Int4Linear), where
-// `_weight_int4pack_mm_for_cpu` is compute-bound at about half a bf16 matmul's speed.
+// products with x, fp32 sums, one rounding. For many rows (Int4Linear from INT4_GEMM_MIN_ROWS),
+// where `_weight_int4pack_mm_for_cpu` is compute-bound at about half a bf16 matmul's speed.
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(gemv_supported(), "int4_gemm needs AVX-512 BF16 (see gemv_supported)");
   for (const at::Tensor* t : {&x, &packed, &pairs}) {

@@ -334,6 +334,7 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
   attn.v_scales = v_scales;
   attn.scale = static_cast<float>(scale);
   const int64_t group = attn.group, head_dim = attn.head_dim, kv_heads = attn.num_kv_heads;
+  if (num_seqs == 0) return;
 
   const int64_t threads = at::get_num_threads();
   const int64_t pairs = num_seqs * kv_heads;
