@@ -4,11 +4,11 @@
 // step with int4 weights); here the same ops run back to back from C++, with the GIL released.
 //
 // It runs exactly the ops the Python path runs, in the same order and dtypes (each linear's
-// kernel: PyTorch's, or at 1-3 rows the few-row kernels of cpu_gemv.cpp, chosen by the same rule
-// as layers/linear.py; the CPU kernels of cpu_kernels.cpp; silu and mul), so its hidden states are
-// bit-identical to LlamaForCausalLM's layer loop; the one fusion, each residual add with the
-// RMSNorm after it (add_rms_norm), rounds the sum first as `x + delta` does. Python keeps the
-// embedding lookup and the final norm.
+// kernel for the row count, chosen by the same rule as layers/linear.py: PyTorch's, or the
+// few-row and many-row kernels of cpu_gemv.cpp; the CPU kernels of cpu_kernels.cpp; silu and
+// mul), so its hidden states are bit-identical to LlamaForCausalLM's layer loop; the one fusion,
+// each residual add with the RMSNorm after it (add_rms_norm), rounds the sum first as
+// `x + delta` does. Python keeps the embedding lookup and the final norm.
 #include "cpu_kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

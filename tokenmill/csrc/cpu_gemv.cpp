@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -341,15 +342,20 @@ void panel_gemm(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>&
 
 namespace {
 
-// The checks every few-row kernel makes: built here, CPU tensors, contiguous, x bf16 [M, K]
-// with 1 <= M <= 4.
-void check_few_rows(const char* kernel, const at::Tensor& x, std::initializer_list<const at::Tensor*> weights) {
+// The checks every matmul kernel here makes: built here, CPU tensors, contiguous, x bf16 [M, K]
+// with 1 <= M (<= max_rows; 0: any number of rows).
+void check_matmul_args(const char* kernel, const at::Tensor& x, std::initializer_list<const at::Tensor*> weights,
+                       int64_t max_rows) {
   TORCH_CHECK(gemv_supported(), kernel, " needs AVX-512 BF16 (see gemv_supported)");
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "contiguous CPU tensors");
   for (const at::Tensor* t : weights) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 4,
-              "x: bf16 [M, K] with 1 <= M <= 4");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 &&
+                  (max_rows == 0 || x.size(0) <= max_rows),
+              "x: bf16 [M, K] with 1 <= M", max_rows ? " <= " + std::to_string(max_rows) : std::string());
 }
+
+// The few-row kernels take 1-4 rows.
+constexpr int64_t kFewRowsMax = 4;
 
 // int4_linear's and int4_gemm's weight: packed [N, K/2] uint8, pairs [N, K/group_size, 2] bf16.
 void check_int4_weight(int64_t K, int64_t N, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
@@ -367,7 +373,7 @@ void check_int4_weight(int64_t K, int64_t N, const at::Tensor& packed, const at:
 // [N, K/group_size, 2] bf16 (scale, min) contiguous; group_size 32 or a multiple of 64, K a
 // multiple of 64. Returns y [M, N] bf16.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  check_few_rows("int4_linear", x, {&packed, &pairs});
+  check_matmul_args("int4_linear", x, {&packed, &pairs}, kFewRowsMax);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   check_int4_weight(K, N, packed, pairs, group_size);
   const int64_t groups = K / group_size;
@@ -399,7 +405,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // x [M, K] bf16 contiguous, 1 <= M <= 4; weight [N, K] bf16 contiguous, K a multiple of 32; bias
 // [N] bf16 or None. Returns y [M, N] bf16: each dot product in fp32 (+ the bias), rounded once.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  check_few_rows("bf16_linear", x, {&weight});
+  check_matmul_args("bf16_linear", x, {&weight}, kFewRowsMax);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) == K && K % 32 == 0,
               "weight: bf16 [N, K], K a multiple of 32");
@@ -424,7 +430,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 // x [M, K] bf16 contiguous, 1 <= M <= 4; codes [N, K] int8 contiguous, K a multiple of 16;
 // scales [N] bf16. Returns y [M, N] bf16 = (x codes^T in fp32) * scale, rounded once.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  check_few_rows("int8_linear", x, {&codes, &scales});
+  check_matmul_args("int8_linear", x, {&codes, &scales}, kFewRowsMax);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == K && K % 16 == 0,
               "codes: int8 [N, K], K a multiple of 16");
@@ -449,11 +455,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // `_weight_int8pack_mm` is compute-bound at a fraction of a bf16 matmul's speed.
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(gemv_supported(), "int8_gemm needs AVX-512 BF16 (see gemv_supported)");
-  for (const at::Tensor* t : {&x, &codes, &scales}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
-  }
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1, "x: bf16 [M, K]");
+  check_matmul_args("int8_gemm", x, {&codes, &scales}, 0);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == K && K % 16 == 0,
               "codes: int8 [N, K], K a multiple of 16");
@@ -478,11 +480,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // products with x, fp32 sums, one rounding. For many rows (Int4Linear from INT4_GEMM_MIN_ROWS),
 // where `_weight_int4pack_mm_for_cpu` is compute-bound at about half a bf16 matmul's speed.
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  TORCH_CHECK(gemv_supported(), "int4_gemm needs AVX-512 BF16 (see gemv_supported)");
-  for (const at::Tensor* t : {&x, &packed, &pairs}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
-  }
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1, "x: bf16 [M, K]");
+  check_matmul_args("int4_gemm", x, {&packed, &pairs}, 0);
   const int64_t K = x.size(1), N = packed.size(0);
   check_int4_weight(K, N, packed, pairs, group_size);
   at::Tensor y = at::empty({x.size(0), N}, x.options());

@@ -313,8 +313,9 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double scale, const float* k_scales,
                                  const float* v_scales) {
-  DecodeAttention<T, C, kHeadDim> attn;
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  if (num_seqs == 0) return;
+  DecodeAttention<T, C, kHeadDim> attn;
   attn.head_dim = kHeadDim ? kHeadDim : query.size(2);
   attn.num_kv_heads = key_cache.size(2);
   attn.group = num_heads / attn.num_kv_heads;
@@ -334,7 +335,6 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
   attn.v_scales = v_scales;
   attn.scale = static_cast<float>(scale);
   const int64_t group = attn.group, head_dim = attn.head_dim, kv_heads = attn.num_kv_heads;
-  if (num_seqs == 0) return;
 
   const int64_t threads = at::get_num_threads();
   const int64_t pairs = num_seqs * kv_heads;
@@ -347,14 +347,15 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
     int64_t seq, kv_head, begin, end, slot;  // slot: row of the partial results (-1: not split)
   };
   std::vector<Item> items;
-  std::vector<int64_t> first_slot(num_seqs, -1);
+  std::vector<int64_t> splits(num_seqs), first_slot(num_seqs, -1);  // per sequence
   int64_t num_slots = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t len = attn.lens[seq], splits = (len + chunk - 1) / chunk;
-    if (splits > 1) first_slot[seq] = num_slots;
+    const int64_t len = attn.lens[seq];
+    splits[seq] = (len + chunk - 1) / chunk;
+    if (splits[seq] > 1) first_slot[seq] = num_slots;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t s = 0; s < splits; ++s) {
-        items.push_back({seq, h, s * chunk, std::min(len, (s + 1) * chunk), splits > 1 ? num_slots++ : -1});
+      for (int64_t s = 0; s < splits[seq]; ++s) {
+        items.push_back({seq, h, s * chunk, std::min(len, (s + 1) * chunk), splits[seq] > 1 ? num_slots++ : -1});
       }
     }
   }
@@ -363,9 +364,10 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
   // A split item's partial results: m [G], l [G], acc [G, head_dim].
   const int64_t slot_size = group * (head_dim + 2);
   std::vector<float> partials(num_slots * slot_size);
-  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[pairs]);
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    for (int64_t h = 0; h < kv_heads; ++h) left[seq * kv_heads + h].store((attn.lens[seq] + chunk - 1) / chunk);
+  // Parts of each split (sequence, KV head) still to finish (only when something is split).
+  std::unique_ptr<std::atomic<int64_t>[]> left(num_slots ? new std::atomic<int64_t>[pairs] : nullptr);
+  for (int64_t seq = 0; num_slots && seq < num_seqs; ++seq) {
+    for (int64_t h = 0; h < kv_heads; ++h) left[seq * kv_heads + h].store(splits[seq]);
   }
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -383,15 +385,15 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
       }
       // The last item of a split (sequence, KV head) to finish combines its parts.
       if (left[it.seq * kv_heads + it.kv_head].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
-      const int64_t splits = (attn.lens[it.seq] + chunk - 1) / chunk;
-      const int64_t first = first_slot[it.seq] + it.kv_head * splits;
+      const int64_t parts = splits[it.seq];
+      const int64_t first = first_slot[it.seq] + it.kv_head * parts;
       for (int64_t g = 0; g < group; ++g) {
         float mx = partials[first * slot_size + g];
-        for (int64_t s = 1; s < splits; ++s) mx = std::max(mx, partials[(first + s) * slot_size + g]);
+        for (int64_t s = 1; s < parts; ++s) mx = std::max(mx, partials[(first + s) * slot_size + g]);
         float total = 0.f;
         float* out_acc = own.data();
         std::fill(out_acc, out_acc + head_dim, 0.f);
-        for (int64_t s = 0; s < splits; ++s) {
+        for (int64_t s = 0; s < parts; ++s) {
           const float* part = partials.data() + (first + s) * slot_size;
           const float weight = std::exp(part[g] - mx);
           total += weight * part[group + g];
@@ -700,6 +702,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
   m.def("int4_gemm", &int4_gemm, "weight-only int4 linear at any number of rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("pairs"), pybind11::arg("group_size"));
-  m.def("gemv_supported", &gemv_supported, "whether int4_linear, int8_linear and bf16_linear were built (AVX-512 BF16)");
+  m.def("gemv_supported", &gemv_supported,
+        "whether the matmul kernels (int4/int8/bf16_linear, int8/int4_gemm) were built (AVX-512 BF16)");
   bind_decoder_stack(m);
 }

@@ -26,7 +26,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 // cpu_gemv.cpp: int8 / int4 weights x bf16 at any number of rows (Int8Linear above its max_rows,
-// Int4Linear above KERNEL_MAX_ROWS).
+// Int4Linear from INT4_GEMM_MIN_ROWS).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);

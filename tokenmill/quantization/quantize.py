@@ -71,18 +71,19 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
     has a method for its quantized layer, calibrating first when the algorithm needs it (then
     `tokenizer` is required). Returns the records by linear name (what a checkpoint stores).
     The quantized layers keep their records as they are when the model is later cast to the
-    compute dtype (only their bias follows). `cpu_kernels`: see build_linear; the layers get them
-    once every record is made, so that calibration (which runs the layers quantized so far)
-    computes the same records with or without them, as `tokenmill quantize` does."""
+    compute dtype (only their bias follows). `cpu_kernels`: see build_linear; the layers built
+    during calibration (which runs the layers quantized so far) get them only once every
+    calibrated record is made, so that the records are the same with or without them, as
+    `tokenmill quantize` computes them."""
     names = linear_names(model)
-    records, biases = {}, {}
+    records = {}
 
-    def quantize(name: str, stats) -> None:
+    def quantize(name: str, stats, kernels=None) -> None:
         linear, method = model.get_submodule(name), qconfig.method_of(name)
-        biases[name] = None if linear.bias is None else linear.bias.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
         record = _record(method, qconfig, linear.weight.detach(), stats)
         records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
-        _replace(model, name, build_linear(method, records[name], biases[name]))
+        _replace(model, name, build_linear(method, records[name], bias, kernels))
 
     t0 = time.perf_counter()
     if qconfig.algorithm != "rtn":
@@ -90,14 +91,15 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
         sequences = calibration.calibration_sequences(texts, tokenizer, qconfig.calibration_samples, qconfig.calibration_seq_len)
         calibrated = [n for n in names if qconfig.method_of(n) == qconfig.method and n != LM_HEAD]
         calibration.quantize_sequentially(model, sequences, calibrated, quantize)
+        if cpu_kernels is not None:
+            for name in calibrated:
+                _replace(model, name, build_linear(qconfig.method, records[name], model.get_submodule(name).bias,
+                                                   cpu_kernels))
         _log.info("calibrated %d linear layers (%s) on %d windows of %d tokens from %s in %.1f s", len(calibrated),
                   qconfig.algorithm, len(sequences), qconfig.calibration_seq_len, qconfig.calibration, time.perf_counter() - t0)
     for name in names:
         if name not in records and qconfig.method_of(name) is not None:  # else it stays an nn.Linear
-            quantize(name, None)  # (`convert_linears` makes it dense in the compute dtype)
-    if cpu_kernels is not None:
-        for name, record in records.items():
-            _replace(model, name, build_linear(qconfig.method_of(name), record, biases[name], cpu_kernels))
+            quantize(name, None, cpu_kernels)  # (`convert_linears` makes it dense in the compute dtype)
     _log.info("quantized %d linear layers (%s, %s) in %.1f s", len(records), qconfig.method, qconfig.algorithm, time.perf_counter() - t0)
     return records
 
