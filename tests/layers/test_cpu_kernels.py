@@ -1,7 +1,7 @@
 """tokenmill's compiled CPU kernels (layers/cpu_kernels.py) against PyTorch: the torch attention
 backend with its decode kernel over a grid of shapes (GQA ratios, block sizes, head sizes with
 and without a specialized build, contexts crossing block boundaries, decodes mixed with prefill
-chunks), RMSNorm against F.rms_norm (and with the residual add before it), and the rotary embedding + KV store against
+chunks), its bf16 prefill kernel likewise (fresh prompts, chunks after earlier context), RMSNorm against F.rms_norm (and with the residual add before it), and the rotary embedding + KV store against
 RotaryEmbedding.apply + index_copy_. Skipped where the kernels cannot be built."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_decode_kernel_matches_the_reference(dtype, heads, kv_heads, hd, bs):
     prefill = [(7, 7), (5, 2 * bs + 5)]
     cache, query, key, value, layout, full_k, full_v, q_lens = random_step(dtype, bs, kv_heads, heads, hd, decode_lens,
                                                                           prefill)
-    backend = TorchAttentionBackend(decode_kernel=kernels)
+    backend = TorchAttentionBackend(kernels=kernels)
     meta = backend.build_metadata(layout, "cpu")
     assert meta.decode_groups == [] and meta.decode_block_tables.dtype == torch.int32
     out = backend.forward(query, key, value, cache, meta, 0.3)
@@ -49,7 +49,7 @@ def test_decode_only_step_and_a_lone_decode():
     for decode_lens in ([50], [2, 17, 33, 200]):
         cache, query, key, value, layout, full_k, full_v, q_lens = random_step(torch.float32, 16, 3, 9, 64,
                                                                               decode_lens, [])
-        backend = TorchAttentionBackend(decode_kernel=kernels)
+        backend = TorchAttentionBackend(kernels=kernels)
         out = backend.forward(query, key, value, cache, backend.build_metadata(layout, "cpu"), 0.125)
         expected = torch.cat([reference(q, k, v, 0.125) for q, k, v in zip(query.split(q_lens), full_k, full_v)])
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -68,6 +68,67 @@ def test_decode_kernel_refuses_bad_arguments():
         kernels.paged_decode_attention(out, query, *cache, tables, torch.zeros(1, dtype=torch.int32), 0.3)
     # no sequences: nothing to do
     kernels.paged_decode_attention(out[:0], query[:0], *cache, tables[:0], lens[:0], 0.3)
+
+
+prefill_kernel = pytest.mark.skipif(kernels is None or not kernels.prefill_attention_supported(),
+                                    reason="paged_prefill_attention not built here (needs AVX-512 BF16)")
+
+
+@prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 64), (8, 1, 128), (32, 8, 128)])
+@pytest.mark.parametrize("bs", [5, 16])
+def test_prefill_kernel_matches_the_reference(heads, kv_heads, hd, bs):
+    """Every bf16 prefill chunk of a step in one paged_prefill_attention call: a fresh 200-token
+    prompt (many 64-key blocks and row tiles, the causal edge inside them), chunks after earlier
+    context (chunked prefill, prefix hits), a single-token prompt and a 1-token chunk, next to
+    decodes. Within bf16 rounding of the fp32 reference, and as close to it as PyTorch's bf16
+    SDPA (the kernel's P is rounded to bf16 before P V, as SDPA's is); identical on 1 and 2
+    threads (each row is computed whole by one thread)."""
+    prefill = [(200, 200), (70, 300), (1, 1), (1, 130), (33, 97)]
+    cache, query, key, value, layout, full_k, full_v, q_lens = random_step(torch.bfloat16, bs, kv_heads, heads, hd,
+                                                                          [3, 40], prefill)
+    backend = TorchAttentionBackend(kernels=kernels)
+    meta = backend.build_metadata(layout, "cpu")
+    tables, seq_lens, query_lens = meta.prefill_kernel_args
+    assert tables.dtype == seq_lens.dtype == query_lens.dtype == torch.int32
+    assert query_lens.tolist() == [c for c, _ in prefill]
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            outs[n] = backend.forward(query, key, value, tuple(t.clone() for t in cache), meta, hd**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[1], outs[2])
+    expected = torch.cat([reference(q.float(), k.float(), v.float(), hd**-0.5)
+                          for q, k, v in zip(query.split(q_lens), full_k, full_v)])
+    torch.testing.assert_close(outs[2].float(), expected, atol=2e-2, rtol=2e-2)
+    plain = TorchAttentionBackend()
+    sdpa = plain.forward(query, key, value, tuple(t.clone() for t in cache), plain.build_metadata(layout, "cpu"), hd**-0.5)
+    ours_err, sdpa_err = ((x.float() - expected).abs().mean().item() for x in (outs[2], sdpa))
+    assert ours_err <= 1.2 * sdpa_err, (ours_err, sdpa_err)
+
+
+@prefill_kernel
+def test_prefill_kernel_refuses_what_it_does_not_take():
+    cache, query, key, value, layout, *_ = random_step(torch.bfloat16, 16, 3, 9, 64, [], [(10, 10)])
+    args = TorchAttentionBackend(kernels=kernels).build_metadata(layout, "cpu").prefill_kernel_args
+    out = torch.empty(query.shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.paged_prefill_attention(out.float(), query.float(), *cache, *args, 0.125)
+    with pytest.raises(RuntimeError, match="sum to the number"):
+        kernels.paged_prefill_attention(out[:9], query[:9], *cache, *args, 0.125)
+    with pytest.raises(RuntimeError, match="query_len <= seq_len"):
+        kernels.paged_prefill_attention(out, query, *cache, args[0], args[2] - 1, args[2], 0.125)
+    with pytest.raises(RuntimeError, match="64 or 128"):
+        kernels.paged_prefill_attention(out[..., :32].contiguous(), query[..., :32].contiguous(),
+                                        *(c[..., :32].contiguous() for c in cache), *args, 0.125)
+    # an fp32 step or an int8 cache keeps PyTorch's SDPA for its prefills
+    cache32, query32, key32, value32, layout32, full_k, full_v, _ = random_step(torch.float32, 16, 3, 9, 64, [], [(10, 10)])
+    backend = TorchAttentionBackend(kernels=kernels)
+    out32 = backend.forward(query32, key32, value32, cache32, backend.build_metadata(layout32, "cpu"), 0.125)
+    torch.testing.assert_close(out32, reference(query32, full_k[0], full_v[0], 0.125), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -154,7 +215,7 @@ def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
     cache, query, key, value, layout, *_ = random_step(dtype, bs, kv_heads, heads, hd, decode_lens, [(5, 2 * bs + 5)])
     (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, torch.int8) for c in cache)
     quantized = (key_codes, value_codes, key_scales, value_scales)
-    backend = TorchAttentionBackend(decode_kernel=kernels)
+    backend = TorchAttentionBackend(kernels=kernels)
     out = backend.forward(query, key, value, tuple(t.clone() for t in quantized), backend.build_metadata(layout, "cpu"), 0.3)
     plain = TorchAttentionBackend()
     expected = plain.forward(query, key, value, tuple(t.clone() for t in quantized), plain.build_metadata(layout, "cpu"), 0.3)
@@ -181,7 +242,7 @@ def test_decode_kernel_splits_long_contexts_across_threads(dtype, heads, kv_head
         cache = (key_codes, value_codes, key_scales, value_scales)
         # the reference attends over what the kernel reads: each token-head quantized, dequantized
         full_k, full_v = ([dequantize_kv(*quantize_kv(x, cache_dtype), torch.float32) for x in xs] for xs in (full_k, full_v))
-    backend = TorchAttentionBackend(decode_kernel=kernels)
+    backend = TorchAttentionBackend(kernels=kernels)
     meta = backend.build_metadata(layout, "cpu")
     threads = torch.get_num_threads()
     outs = {}

@@ -160,6 +160,10 @@ def test_bad_kv_cache_dtype_is_a_config_error():
 
 # -- the engine on the real default model ----------------------------------------------------------
 
+# (Not the chat template's "What is the capital of France?": its first answer token is a
+# near-tie, 0.08 nats in fp32, less than one step of a bf16 logit, which any change of rounding
+# may flip.)
+PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -174,7 +178,7 @@ def test_int8_cache_holds_1_9x_the_blocks_and_answers_the_same(default_model_pat
     assert runners["int8"].num_blocks >= 1.8 * runners["auto"].num_blocks
     codes, _, scales, _ = runners["int8"].kv_caches[0]
     assert codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == codes.shape[:-1]
-    answers = {kv: llm.chat(CHAT, GREEDY)[0].outputs[0] for kv, llm in engines.items()}
+    answers = {kv: llm.generate([PROMPT], GREEDY)[0].outputs[0] for kv, llm in engines.items()}
     assert "Paris" in answers["int8"].text
     assert answers["int8"].token_ids == answers["auto"].token_ids
 

@@ -45,8 +45,10 @@ def test_quantized_perplexity_is_close_to_fp32(default_model_path, gpl3_ids, fp3
     ours = perplexity(llm, gpl3_ids, window=512)
     print(f"\nGPL-3 perplexity, first {WINDOWS} windows: fp32 {fp32_perplexity:.4f}, {quantization} {ours:.4f}")
     assert abs(ours / fp32_perplexity - 1) <= PPL_TOLERANCE[quantization]
-    # and it still generates text: greedy, prompt from the chat template
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=16, temperature=0))
+    # and it still generates text, greedy. (Not the chat template's "What is the capital of
+    # France?": its first answer token is a near-tie, "The" over "L" by 0.08 nats in fp32, less
+    # than one step of a bf16 logit, so any change of rounding in the attention may flip it.)
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
     assert "Paris" in out[0].outputs[0].text
 
 

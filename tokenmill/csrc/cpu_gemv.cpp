@@ -18,6 +18,7 @@
 // int8_gemm / int4_gemm: the same weights at many rows, compute-bound there, at about a bf16
 // matmul's speed: panels of 32 output channels widened once to bf16 (int8 codes exactly; int4
 // through a per-group table of v * scale + min rounded to bf16), then vdpbf16ps over every row.
+#include "cpu_common.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -30,20 +31,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TOKENMILL_GEMV_KERNELS 1
-#include <immintrin.h>
-#endif
 
 bool gemv_supported() {
-#ifdef TOKENMILL_GEMV_KERNELS
+#ifdef TOKENMILL_AVX512_BF16
   return true;
 #else
   return false;
 #endif
 }
 
-#ifdef TOKENMILL_GEMV_KERNELS
+#ifdef TOKENMILL_AVX512_BF16
 namespace {
 
 inline __m512 broadcast_bf16_low(uint32_t pair) {  // the low bf16 of a pair, as fp32 in every lane
@@ -206,31 +203,6 @@ void for_output_rows(int64_t M, int64_t N, const Rows& rows) {
 // it, one x pair broadcast per row and step, 8 x 2 accumulators.
 constexpr int64_t kPanel = 32;
 
-// The 16 x 16 transpose of 32-bit elements: a[i][k] -> out[k][i] (interleaves, then 128-bit
-// chunk shuffles; 64 shuffles).
-inline void transpose16(const __m512i* a, __m512i* out) {
-  __m512i b[16], c[16];
-  for (int i = 0; i < 16; i += 2) {
-    b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
-    b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // c[4g + e], chunk L: element 4L + e of rows 4g .. 4g + 3
-    c[4 * g] = _mm512_unpacklo_epi64(b[4 * g], b[4 * g + 2]);
-    c[4 * g + 1] = _mm512_unpackhi_epi64(b[4 * g], b[4 * g + 2]);
-    c[4 * g + 2] = _mm512_unpacklo_epi64(b[4 * g + 1], b[4 * g + 3]);
-    c[4 * g + 3] = _mm512_unpackhi_epi64(b[4 * g + 1], b[4 * g + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i y0 = _mm512_shuffle_i32x4(c[e], c[4 + e], 0x44), y1 = _mm512_shuffle_i32x4(c[e], c[4 + e], 0xEE);
-    const __m512i y2 = _mm512_shuffle_i32x4(c[8 + e], c[12 + e], 0x44);
-    const __m512i y3 = _mm512_shuffle_i32x4(c[8 + e], c[12 + e], 0xEE);
-    out[e] = _mm512_shuffle_i32x4(y0, y2, 0x88);
-    out[4 + e] = _mm512_shuffle_i32x4(y0, y2, 0xDD);
-    out[8 + e] = _mm512_shuffle_i32x4(y1, y3, 0x88);
-    out[12 + e] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
-  }
-}
-
 // A panel from its rows: buf[kp * 32 + j] = pair kp of output channel j, where
 // row_pairs(j, k, whole) gives channel j's bf16 pairs for k .. k + 31 (whole = false: k .. k + 15
 // in the low half, K % 32 == 16); channels past `rows` are zeros.
@@ -244,7 +216,7 @@ void fill_panel(int64_t K, int64_t rows, uint32_t* buf, const RowPairs& row_pair
         const int64_t j = half * 16 + i;
         a[i] = j < rows ? row_pairs(j, k, whole) : _mm512_setzero_si512();
       }
-      transpose16(a, t);
+      tokenmill::transpose16(a, t);
       for (int64_t p = 0; p < (whole ? 16 : 8); ++p) _mm512_storeu_si512(buf + (k / 2 + p) * kPanel + half * 16, t[p]);
     }
   }
@@ -378,7 +350,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_int4_weight(K, N, packed, pairs, group_size);
   const int64_t groups = K / group_size;
   at::Tensor y = at::empty({M, N}, x.options());
-#ifdef TOKENMILL_GEMV_KERNELS
+#ifdef TOKENMILL_AVX512_BF16
   const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
   std::vector<float> xs(M * groups);  // group sums of x
   for (int64_t m = 0; m < M; ++m) {
@@ -415,7 +387,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
     b = bias->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({M, N}, x.options());
-#ifdef TOKENMILL_GEMV_KERNELS
+#ifdef TOKENMILL_AVX512_BF16
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
@@ -436,7 +408,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               "codes: int8 [N, K], K a multiple of 16");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
   at::Tensor y = at::empty({M, N}, x.options());
-#ifdef TOKENMILL_GEMV_KERNELS
+#ifdef TOKENMILL_AVX512_BF16
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
@@ -462,7 +434,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu()), "bias: [N]");
   at::Tensor y = at::empty({M, N}, x.options());
-#ifdef TOKENMILL_GEMV_KERNELS
+#ifdef TOKENMILL_AVX512_BF16
   const auto* cp = codes.data_ptr<int8_t>();
   const auto widen = [](const int8_t* src) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
@@ -484,7 +456,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t K = x.size(1), N = packed.size(0);
   check_int4_weight(K, N, packed, pairs, group_size);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-#ifdef TOKENMILL_GEMV_KERNELS
+#ifdef TOKENMILL_AVX512_BF16
   const int64_t groups = K / group_size;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());

@@ -19,6 +19,7 @@
 //   the store of the rotated keys and the values into the paged KV cache: one call for what
 //   takes ~15 PyTorch ops. Rounds as the PyTorch ops do (each product, then the sum, to the
 //   dtype), so in bf16 its output is bit-identical to theirs.
+#include "cpu_common.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -32,10 +33,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TOKENMILL_BF16_ATTENTION 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -50,23 +47,7 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kMinSplitTokens = 64;
 
-// Offsets, in cache elements, of the K (and V: the caches share one layout) vectors of tokens
-// [begin, end) of one KV head, read through a sequence's block table. In a contiguous cache
-// offset / head_dim is also the index of the token-head's int8 scale.
-inline void cached_row_offsets(const int32_t* table, int64_t begin, int64_t end, int64_t block_size,
-                               int64_t block_stride, int64_t token_stride, int64_t head_offset, int64_t* offsets) {
-  int64_t block = begin / block_size, j = begin % block_size;
-  int64_t base = table[block] * block_stride + head_offset;
-  for (int64_t t = begin; t < end; ++t) {
-    if (j == block_size) {
-      j = 0;
-      base = table[++block] * block_stride + head_offset;
-    }
-    *offsets++ = base + j++ * token_stride;
-  }
-}
-
-#ifdef TOKENMILL_BF16_ATTENTION
+#ifdef TOKENMILL_AVX512_BF16
 // Lane t of the result: the sum of the 16 lanes of v[t]. A tree of 128-bit chunk and lane
 // shuffles (15 merges of two vectors) instead of 16 horizontal sums.
 inline __m512 sum_each_of_16(const __m512* v) {
@@ -98,7 +79,7 @@ inline __m512 sum_each_of_16(const __m512* v) {
 template <typename T, typename C, int64_t kHeadDim>
 struct DecodeAttention {
   static constexpr bool kSimd =
-#ifdef TOKENMILL_BF16_ATTENTION
+#ifdef TOKENMILL_AVX512_BF16
       std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0;
 #else
       false;
@@ -127,7 +108,7 @@ struct DecodeAttention {
     const int64_t n = end - begin;
     w.offsets.resize(n);
     w.scores.resize(group * n);
-    cached_row_offsets(tables + seq * max_blocks, begin, end, block_size, block_stride, token_stride,
+    tokenmill::cached_row_offsets(tables + seq * max_blocks, begin, end, block_size, block_stride, token_stride,
                        kv_head * head_dim, w.offsets.data());
     const T* q = q_ptr + seq * q_row + kv_head * group * head_dim;
     if constexpr (kSimd) {
@@ -207,7 +188,7 @@ struct DecodeAttention {
     }
   }
 
-#ifdef TOKENMILL_BF16_ATTENTION
+#ifdef TOKENMILL_AVX512_BF16
   static constexpr int64_t kVecs = kHeadDim > 0 ? kHeadDim / 32 : 1;  // 32 bf16 (one cache line pair) per vector
   static constexpr int64_t kPrefetchTokens = 8;
   // Query heads whose fp32 accumulators stay in registers through one pass over V.
@@ -690,6 +671,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("key_scales") = pybind11::none(),
         pybind11::arg("value_scales") = pybind11::none());
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over the paged cache (CPU, bf16)",
+        pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_lens"), pybind11::arg("scale"));
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "whether paged_prefill_attention was built (AVX-512 BF16)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU): (x + delta, rms_norm(x + delta))");
   m.def("int4_linear", &int4_linear, "weight-only int4 linear at 1-4 rows (CPU, AVX-512 BF16)", pybind11::arg("x"),

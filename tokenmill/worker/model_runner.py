@@ -80,8 +80,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.attention_backend = config.resolved_attention_backend(self.device.type)
-        # tokenmill's compiled CPU kernels (norms, RoPE + KV store, decode attention of the torch
-        # backend), or None: not on the CPU, turned off, an fp8 KV cache (the decode kernel reads
+        # tokenmill's compiled CPU kernels (norms, RoPE + KV store, decode and prefill attention of
+        # the torch backend), or None: not on the CPU, turned off, an fp8 KV cache (the decode kernel reads
         # the compute dtype or int8 codes), or they could not be built.
         self.cpu_kernels = None
         if self.device.type == "cpu" and config.cpu_kernels and config.kv_cache_dtype != "fp8":
@@ -101,7 +101,7 @@ class ModelRunner:
         # Decode-only steps run the decoder layers in one compiled call where every linear has a
         # compiled form (models/llama.py: enable_cpu_decoder).
         for m in models:
-            if self.cpu_kernels is not None and getattr(m.attn_backend, "decode_kernel", None) is self.cpu_kernels:
+            if self.cpu_kernels is not None and getattr(m.attn_backend, "kernels", None) is self.cpu_kernels:
                 m.enable_cpu_decoder(self.cpu_kernels)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, CachedRequestState] = {}

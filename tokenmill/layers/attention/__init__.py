@@ -16,9 +16,9 @@ ATTENTION_BACKENDS = ("torch", "triton")
 
 def make_backend(name: str, cpu_kernels=None) -> AttentionBackend:
     """The attention backend called `name` (one of ATTENTION_BACKENDS); Triton is imported only here.
-    The torch backend runs decodes through `cpu_kernels.paged_decode_attention` when given."""
+    The torch backend runs decodes (and bf16 prefills) through `cpu_kernels` when given."""
     if name == "torch":
-        return TorchAttentionBackend(decode_kernel=cpu_kernels)
+        return TorchAttentionBackend(kernels=cpu_kernels)
     if name == "triton":
         from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
 

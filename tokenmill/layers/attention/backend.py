@@ -11,7 +11,8 @@ chunks. The backend writes the step's keys/values into the paged cache at `slot_
 attends each query to its own sequence only: decodes as a few padded batched SDPAs over their
 gathered blocks (decodes arrive sorted by context length and split into groups of similar
 length, so little work is spent on padding), prefill chunks one sequence at a time (a chunk
-may start after earlier context already in the cache: chunked prefill).
+may start after earlier context already in the cache: chunked prefill). With the compiled CPU
+kernels both are single calls that read the cache in place (`TorchAttentionBackend`).
 
 KV cache layout per layer: a `(key_cache, value_cache)` pair, each
 `[num_blocks, block_size, num_kv_heads, head_dim]` in the compute dtype; or, quantized
@@ -74,6 +75,9 @@ class AttentionMetadata:
     # to the longest, [num_decodes, max_num_blocks] int32, and context lengths [num_decodes] int32.
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
+    # With the prefill kernel: the chunks' blocks padded likewise [num_chunks, max_num_blocks],
+    # their context lengths and chunk lengths [num_chunks], all int32.
+    prefill_kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -96,26 +100,33 @@ class AttentionBackend(Protocol):
 class TorchAttentionBackend:
     """Reference backend: plain PyTorch ops, any device, MHA/MQA/GQA.
 
-    With `decode_kernel` (the compiled CPU kernels, `layers.cpu_kernels`; a cache of the compute
+    With `kernels` (the compiled CPU kernels, `layers.cpu_kernels`; a cache of the compute
     dtype or int8 codes + scales, on the CPU), decodes are attended by its
     `paged_decode_attention`, which reads the cache in place through the block tables, instead
-    of gathered padded groups and SDPA."""
+    of gathered padded groups and SDPA; and, where `prefill_attention_supported()` (AVX-512
+    BF16) with bf16 queries and cache and a head size of 64 or 128, every prefill chunk of the
+    step by one `paged_prefill_attention` call (flash-style, over the cache the chunk was just
+    written to, so earlier context and the chunk are read alike) instead of SDPA per chunk."""
 
-    def __init__(self, group_cost: int = 12, decode_kernel=None):
+    def __init__(self, group_cost: int = 12, kernels=None):
         self.group_cost = group_cost  # see split_by_length
-        self.decode_kernel = decode_kernel
+        self.kernels = kernels
+        self.prefill_kernel = kernels is not None and kernels.prefill_attention_supported()
 
     def build_metadata(self, layout: BatchLayout, device) -> AttentionMetadata:
-        tables = seq_lens = None
-        if self.decode_kernel is not None and layout.decode_tables:
-            width = max(len(t) for t in layout.decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.decode_tables], dtype=torch.int32)
+        tables = seq_lens = prefill_args = None
+        if self.kernels is not None and layout.decode_tables:
+            tables = _padded_tables(layout.decode_tables)
             seq_lens = torch.tensor(layout.decode_seq_lens, dtype=torch.int32)
+        if self.prefill_kernel and layout.prefill_tables:
+            prefill_args = (_padded_tables(layout.prefill_tables), torch.tensor(layout.prefill_seq_lens, dtype=torch.int32),
+                            torch.tensor(layout.prefill_query_lens, dtype=torch.int32))
         return AttentionMetadata(
             num_decodes=len(layout.decode_tables),
             slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=device),
             decode_block_tables=tables,
             decode_seq_lens=seq_lens,
+            prefill_kernel_args=prefill_args,
             decode_groups=[] if tables is not None else build_decode_groups(
                 layout.decode_tables, layout.decode_seq_lens, layout.block_size, device, self.group_cost),
             prefill_query_lens=layout.prefill_query_lens,
@@ -129,12 +140,17 @@ class TorchAttentionBackend:
         if not kv_written:
             _write_kv(kv_cache, meta.slot_mapping, key, value)
         n = meta.num_decodes
-        if meta.decode_block_tables is not None:  # decodes through the kernel, into `out`
+        if self.kernels is not None:  # decodes (and prefills where it can) through the kernels, into `out`
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            self.decode_kernel.paged_decode_attention(out[:n], query[:n], kv_cache[0], kv_cache[1],
-                                                      meta.decode_block_tables, meta.decode_seq_lens, scale,
-                                                      *kv_cache[2:])  # an int8 cache's scales
-            self._prefill_chunks(query, key, value, kv_cache, meta, n, out, scale)
+            if n:
+                self.kernels.paged_decode_attention(out[:n], query[:n], kv_cache[0], kv_cache[1],
+                                                    meta.decode_block_tables, meta.decode_seq_lens, scale,
+                                                    *kv_cache[2:])  # an int8 cache's scales
+            if meta.prefill_kernel_args is not None and _prefill_kernel_fits(query, kv_cache):
+                self.kernels.paged_prefill_attention(out[n:], query[n:], kv_cache[0], kv_cache[1],
+                                                     *meta.prefill_kernel_args, scale)
+            else:
+                self._prefill_chunks(query, key, value, kv_cache, meta, n, out, scale)
             return out
         if not meta.decode_groups and len(meta.prefill_query_lens) == 1:
             # A lone prefill chunk: its result as is, without an output buffer and a copy.
@@ -257,6 +273,18 @@ def split_by_length(lengths: list[int], group_cost: int = 12) -> list[int]:
         sizes.append(prefix[j] - prefix[cut[j]])
         j = cut[j]
     return sizes[::-1]
+
+
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables padded with block 0 to the longest, [len(tables), max_len] int32."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+def _prefill_kernel_fits(query: torch.Tensor, kv_cache) -> bool:
+    """Whether `paged_prefill_attention` takes these: bf16 queries and cache, head size 64 or 128."""
+    return (query.dtype == torch.bfloat16 and len(kv_cache) == 2 and kv_cache[0].dtype == torch.bfloat16
+            and query.shape[-1] in (64, 128))
 
 
 def _write_kv(kv_cache, slot_mapping, key, value) -> None:

@@ -1,0 +1,58 @@
+// Helpers shared by the CPU kernel files (cpu_kernels.cpp, cpu_gemv.cpp, cpu_prefill.cpp).
+#pragma once
+
+#include <cstdint>
+
+// The AVX-512 BF16 kernels are built only where the compiler targets it (-march=native on such a
+// CPU); elsewhere their callers keep PyTorch's ops (gemv_supported(), prefill_attention_supported()).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_AVX512_BF16 1
+#include <immintrin.h>
+#endif
+
+namespace tokenmill {
+
+// Offsets, in cache elements, of the K (and V: the caches share one layout) vectors of tokens
+// [begin, end) of one KV head, read through a sequence's block table. In a contiguous cache
+// offset / head_dim is also the index of the token-head's int8 scale.
+inline void cached_row_offsets(const int32_t* table, int64_t begin, int64_t end, int64_t block_size,
+                               int64_t block_stride, int64_t token_stride, int64_t head_offset, int64_t* offsets) {
+  int64_t block = begin / block_size, j = begin % block_size;
+  int64_t base = table[block] * block_stride + head_offset;
+  for (int64_t t = begin; t < end; ++t) {
+    if (j == block_size) {
+      j = 0;
+      base = table[++block] * block_stride + head_offset;
+    }
+    *offsets++ = base + j++ * token_stride;
+  }
+}
+
+#ifdef TOKENMILL_AVX512_BF16
+// The 16 x 16 transpose of 32-bit elements: a[i][k] -> out[k][i] (interleaves, then 128-bit
+// chunk shuffles; 64 shuffles).
+inline void transpose16(const __m512i* a, __m512i* out) {
+  __m512i b[16], c[16];
+  for (int i = 0; i < 16; i += 2) {
+    b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+    b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // c[4g + e], chunk L: element 4L + e of rows 4g .. 4g + 3
+    c[4 * g] = _mm512_unpacklo_epi64(b[4 * g], b[4 * g + 2]);
+    c[4 * g + 1] = _mm512_unpackhi_epi64(b[4 * g], b[4 * g + 2]);
+    c[4 * g + 2] = _mm512_unpacklo_epi64(b[4 * g + 1], b[4 * g + 3]);
+    c[4 * g + 3] = _mm512_unpackhi_epi64(b[4 * g + 1], b[4 * g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i y0 = _mm512_shuffle_i32x4(c[e], c[4 + e], 0x44), y1 = _mm512_shuffle_i32x4(c[e], c[4 + e], 0xEE);
+    const __m512i y2 = _mm512_shuffle_i32x4(c[8 + e], c[12 + e], 0x44);
+    const __m512i y3 = _mm512_shuffle_i32x4(c[8 + e], c[12 + e], 0xEE);
+    out[e] = _mm512_shuffle_i32x4(y0, y2, 0x88);
+    out[4 + e] = _mm512_shuffle_i32x4(y0, y2, 0xDD);
+    out[8 + e] = _mm512_shuffle_i32x4(y1, y3, 0x88);
+    out[12 + e] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
+  }
+}
+#endif
+
+}  // namespace tokenmill
