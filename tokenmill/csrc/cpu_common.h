@@ -1,6 +1,8 @@
 // Helpers shared by the CPU kernel files (cpu_kernels.cpp, cpu_gemv.cpp, cpu_prefill.cpp).
 #pragma once
 
+#include <torch/extension.h>
+
 #include <cstdint>
 
 // The AVX-512 BF16 kernels are built only where the compiler targets it (-march=native on such a
@@ -11,6 +13,33 @@
 #endif
 
 namespace tokenmill {
+
+#ifdef TOKENMILL_AVX512_BF16
+constexpr bool kAvx512Bf16Built = true;
+#else
+constexpr bool kAvx512Bf16Built = false;
+#endif
+
+// Where a paged attention kernel finds its rows: query / output rows [tokens, num_heads,
+// head_dim] (row strides q_row, out_row), the G = group query heads of each KV head, and the
+// cache [num_blocks, block_size, num_kv_heads, head_dim] read through block tables of
+// max_blocks entries per sequence.
+struct PagedLayout {
+  int64_t num_kv_heads = 0, group = 0, block_size = 0, block_stride = 0, token_stride = 0, q_row = 0, out_row = 0,
+          max_blocks = 0;
+
+  void set(const at::Tensor& query, const at::Tensor& out, const at::Tensor& key_cache,
+           const at::Tensor& block_tables) {
+    num_kv_heads = key_cache.size(2);
+    group = query.size(1) / num_kv_heads;
+    block_size = key_cache.size(1);
+    block_stride = key_cache.stride(0);
+    token_stride = key_cache.stride(1);
+    q_row = query.stride(0);
+    out_row = out.stride(0);
+    max_blocks = block_tables.size(1);
+  }
+};
 
 // Offsets, in cache elements, of the K (and V: the caches share one layout) vectors of tokens
 // [begin, end) of one KV head, read through a sequence's block table. In a contiguous cache

@@ -31,14 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-
-bool gemv_supported() {
-#ifdef TOKENMILL_AVX512_BF16
-  return true;
-#else
-  return false;
-#endif
-}
+bool gemv_supported() { return tokenmill::kAvx512Bf16Built; }
 
 #ifdef TOKENMILL_AVX512_BF16
 namespace {

@@ -77,7 +77,7 @@ inline __m512 sum_each_of_16(const __m512* v) {
 // other items of the sequence first (split-K: flash decoding). The bf16 path keeps acc's 32-dim
 // chunks as [even dims, odd dims] (the order its bf16 -> fp32 widening gives); `store` undoes it.
 template <typename T, typename C, int64_t kHeadDim>
-struct DecodeAttention {
+struct DecodeAttention : tokenmill::PagedLayout {
   static constexpr bool kSimd =
 #ifdef TOKENMILL_AVX512_BF16
       std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0;
@@ -85,7 +85,7 @@ struct DecodeAttention {
       false;
 #endif
 
-  int64_t head_dim, group, num_kv_heads, block_size, block_stride, token_stride, q_row, out_row, max_blocks;
+  int64_t head_dim;
   const T* q_ptr;
   const C* k_ptr;
   const C* v_ptr;
@@ -294,18 +294,11 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query, const
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double scale, const float* k_scales,
                                  const float* v_scales) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t num_seqs = query.size(0);
   if (num_seqs == 0) return;
   DecodeAttention<T, C, kHeadDim> attn;
   attn.head_dim = kHeadDim ? kHeadDim : query.size(2);
-  attn.num_kv_heads = key_cache.size(2);
-  attn.group = num_heads / attn.num_kv_heads;
-  attn.block_size = key_cache.size(1);
-  attn.block_stride = key_cache.stride(0);
-  attn.token_stride = key_cache.stride(1);
-  attn.q_row = query.stride(0);
-  attn.out_row = out.stride(0);
-  attn.max_blocks = block_tables.size(1);
+  attn.set(query, out, key_cache, block_tables);
   attn.q_ptr = query.data_ptr<T>();
   attn.k_ptr = key_cache.data_ptr<C>();
   attn.v_ptr = value_cache.data_ptr<C>();

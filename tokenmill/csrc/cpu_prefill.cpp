@@ -28,13 +28,7 @@
 #include <memory>
 #include <vector>
 
-bool prefill_attention_supported() {
-#ifdef TOKENMILL_AVX512_BF16
-  return true;
-#else
-  return false;
-#endif
-}
+bool prefill_attention_supported() { return tokenmill::kAvx512Bf16Built; }
 
 #ifdef TOKENMILL_AVX512_BF16
 namespace {
@@ -44,13 +38,12 @@ constexpr int64_t kItemRows = 96;   // query rows per work item, about (whole to
 constexpr float kNoMax = -1e30f;    // running max before any key (finite: built with -ffast-math)
 
 template <int64_t D>
-struct PrefillAttention {
+struct PrefillAttention : tokenmill::PagedLayout {
   static constexpr int64_t kPairs = D / 2;                  // bf16 pairs per K row
   static constexpr int64_t kOutVecs = D / 16;               // fp32 vectors per output row
   static constexpr int kTileRows = kOutVecs <= 4 ? 6 : 3;  // accumulators: kTileRows x max(4, kOutVecs)
   static constexpr int64_t kBlockWords = kKeyBlock * kPairs;  // uint32 per packed K (or V) block
 
-  int64_t group, num_kv_heads, block_size, block_stride, token_stride, q_row, out_row, max_blocks;
   const uint16_t* q;
   const uint16_t* k_cache;
   const uint16_t* v_cache;
@@ -233,14 +226,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
                   double scale) {
   using Attn = PrefillAttention<D>;
   Attn attn;
-  attn.num_kv_heads = key_cache.size(2);
-  attn.group = query.size(1) / attn.num_kv_heads;
-  attn.block_size = key_cache.size(1);
-  attn.block_stride = key_cache.stride(0);
-  attn.token_stride = key_cache.stride(1);
-  attn.q_row = query.stride(0);
-  attn.out_row = out.stride(0);
-  attn.max_blocks = block_tables.size(1);
+  attn.set(query, out, key_cache, block_tables);
   attn.q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
   attn.k_cache = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>());
   attn.v_cache = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());

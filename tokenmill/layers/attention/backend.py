@@ -140,13 +140,14 @@ class TorchAttentionBackend:
         if not kv_written:
             _write_kv(kv_cache, meta.slot_mapping, key, value)
         n = meta.num_decodes
-        if self.kernels is not None:  # decodes (and prefills where it can) through the kernels, into `out`
+        prefill_kernel = meta.prefill_kernel_args is not None and _prefill_kernel_fits(query, kv_cache)
+        if meta.decode_block_tables is not None or prefill_kernel:  # through the kernels, into `out`
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             if n:
                 self.kernels.paged_decode_attention(out[:n], query[:n], kv_cache[0], kv_cache[1],
                                                     meta.decode_block_tables, meta.decode_seq_lens, scale,
                                                     *kv_cache[2:])  # an int8 cache's scales
-            if meta.prefill_kernel_args is not None and _prefill_kernel_fits(query, kv_cache):
+            if prefill_kernel:
                 self.kernels.paged_prefill_attention(out[n:], query[n:], kv_cache[0], kv_cache[1],
                                                      *meta.prefill_kernel_args, scale)
             else:
