@@ -1,23 +1,25 @@
 #!/usr/bin/env python
 """Prefill attention alone: tokenmill's CPU kernel against PyTorch's SDPA, one layer, side by side.
 
-For each prompt length of `--lengths`: a paged bf16 KV cache (`--block-size`) holding one
-prompt's keys and values (random, blocks in a shuffled order) and the prompt's queries, as the
-model makes them (rows strided: q and k rotated together). Timed, alternating, in this process:
+For each prompt length of `--lengths`: a paged KV cache (`--block-size`; bf16, or int8 codes
+and scales with `--kv-cache-dtype int8`) holding one prompt's keys and values (random, blocks in
+a shuffled order) and the prompt's queries, as the model makes them (rows strided: q and k
+rotated together). Timed, alternating, in this process:
 
-    kernel  paged_prefill_attention (tokenmill/csrc/cpu_prefill.cpp) over the cache, every chunk
-            of the step in one call: what the torch backend runs with the CPU kernels
-    sdpa    the torch backend's own path for a fresh prompt: causal F.scaled_dot_product_attention
-            on the chunk's K/V (GQA as zero-stride views), what it ran before the kernel
+    kernel  paged_prefill_attention (tokenmill/csrc/cpu_prefill.cpp), every chunk of the step in
+            one call, as the torch backend calls it with the CPU kernels
+    sdpa    the torch backend's own path before the kernel: for a fresh prompt, causal
+            F.scaled_dot_product_attention on the chunk's own K/V (GQA as zero-stride views)
 
 `--context N` puts N tokens of earlier context before the prompt (a chunk after a prefix-cache
-hit, or a later chunk of chunked prefill): SDPA then gathers the blocks and takes an explicit
-mask, the kernel reads them in place. Each median over `--repeats` alternated rounds of ~0.3 s;
-GFLOP/s counts the causal half (4 * heads * head_dim * tokens attended per query, summed).
-Also printed: the largest and mean difference of each against an fp32 reference of the same
-bf16 inputs. Needs a CPU with AVX-512 BF16 (the kernel is not built elsewhere).
+hit, or a later chunk of chunked prefill): SDPA then gathers the blocks (int8: dequantized) and
+takes an explicit mask; the kernel reads them in place. Each median over `--repeats` alternated
+rounds of ~0.3 s; GFLOP/s counts the causal half (4 * heads * head_dim * keys attended, summed
+over queries). Also printed: the largest and mean difference of each from an fp32 reference of
+the same inputs. Needs a CPU with AVX-512 BF16 (the kernel is not built elsewhere).
 
     python benchmarks/prefill_attention.py
+    python benchmarks/prefill_attention.py --context 1024 --lengths 128,512 --kv-cache-dtype int8
     python benchmarks/prefill_attention.py --heads 32 --kv-heads 8 --head-dim 128 --lengths 512,2048
 """
 
@@ -44,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=3, help="KV heads")
     p.add_argument("--head-dim", type=int, default=64, choices=[64, 128], help="head size")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "int8"],
+                   help="the cache's dtype (int8: codes and scales, as kv_cache_dtype int8)")
     p.add_argument("--repeats", type=int, default=5, help="alternated timing rounds per length")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--output", type=str, default=str(DEFAULT_OUTPUT), metavar="PATH.json", help="JSON report")
@@ -63,37 +67,41 @@ def time_call(fn, seconds: float = 0.3) -> float:
 
 def one_length(kernels, args, q_len: int) -> dict:
     from tokenmill.layers.attention import TorchAttentionBackend
+    from tokenmill.layers.attention.backend import _gather
+    from tokenmill.layers.attention.kv_quant import quantize_kv
 
     g = torch.Generator().manual_seed(q_len)
     heads, kv_heads, hd, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     seq_len = args.context + q_len
     blocks = -(-seq_len // bs)
     order = torch.randperm(blocks, generator=g)
-    key_cache = torch.randn(blocks, bs, kv_heads, hd, generator=g).bfloat16()
-    value_cache = torch.randn(blocks, bs, kv_heads, hd, generator=g).bfloat16()
+    cache = full = tuple(torch.randn(blocks, bs, kv_heads, hd, generator=g).bfloat16() for _ in range(2))
+    if args.kv_cache_dtype == "int8":  # (key codes, value codes, key scales, value scales)
+        (kc, ks), (vc, vs) = (quantize_kv(c, torch.int8) for c in full)
+        cache = (kc, vc, ks, vs)
     query = torch.randn(q_len, heads + kv_heads, hd, generator=g).bfloat16()[:, :heads]
     table = order.to(torch.int32)[None]
     seq_lens, query_lens = torch.tensor([seq_len], dtype=torch.int32), torch.tensor([q_len], dtype=torch.int32)
     out = torch.empty(query.shape, dtype=torch.bfloat16)
     scale = hd**-0.5
+    # every key in sequence order as the cache holds it (int8: dequantized), and the step's own
+    # K/V, the last q_len (in full precision: what an int8 cache quantized)
+    cached_k, cached_v = (x.flatten(0, 1)[:seq_len] for x in _gather(cache, order, torch.bfloat16))
+    own_k, own_v = (x[order].flatten(0, 1)[args.context : seq_len] for x in full)
 
-    def kernel():
-        kernels.paged_prefill_attention(out, query, key_cache, value_cache, table, seq_lens, query_lens, scale)
+    def kernel():  # as the torch backend calls it
+        kernels.paged_prefill_attention(out, query, cache[0], cache[1], table, seq_lens, query_lens, scale, *cache[2:],
+                                        key=own_k, value=own_v)
         return out
 
-    own_k = key_cache[order].flatten(0, 1)[:seq_len]  # the step's own K/V, as a fresh prompt's SDPA takes them
-    own_v = value_cache[order].flatten(0, 1)[:seq_len]
-
-    def sdpa():
-        if args.context == 0:
+    def sdpa():  # the torch backend's path before the kernel
+        if args.context == 0:  # a fresh prompt: its own K/V
             return TorchAttentionBackend._prefill(query, own_k, own_v, 0, scale)
-        # after earlier context, as the backend does it: the blocks gathered, an explicit mask
-        k = key_cache.index_select(0, order).flatten(0, 1)[:seq_len]
-        v = value_cache.index_select(0, order).flatten(0, 1)[:seq_len]
+        k, v = (x.flatten(0, 1)[:seq_len] for x in _gather(cache, order, torch.bfloat16))  # blocks gathered, a mask
         return TorchAttentionBackend._prefill(query, k, v, args.context, scale)
 
-    k32, v32 = own_k.float(), own_v.float()
-    reference = TorchAttentionBackend._prefill(query.float(), k32, v32, args.context, scale).float()
+    k_ref, v_ref = (own_k, own_v) if args.context == 0 else (cached_k, cached_v)
+    reference = TorchAttentionBackend._prefill(query.float(), k_ref.float(), v_ref.float(), args.context, scale).float()
     errors = {}
     for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
         diff = (fn().float() - reference).abs()
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     load = OtherLoad()
     results = [one_length(kernels, args, int(n)) for n in args.lengths.split(",")]
     other = load.cores()
-    print(f"\n{args.heads}:{args.kv_heads} heads x {args.head_dim}, bf16, block size {args.block_size}, "
+    print(f"\n{args.heads}:{args.kv_heads} heads x {args.head_dim}, bf16, {args.kv_cache_dtype} cache, block size {args.block_size}, "
           f"context {args.context}, {torch.get_num_threads()} threads; medians of {args.repeats} alternated rounds\n")
     rows = [[str(r["prompt_len"]), fmt(r["kernel"]["ms"], ".3f"), fmt(r["sdpa"]["ms"], ".3f"), fmt(r["speedup"], ".2f") + "x",
              fmt(r["kernel"]["gflops"], ".0f"), fmt(r["sdpa"]["gflops"], ".0f"),

@@ -111,6 +111,37 @@ def test_prefill_kernel_matches_the_reference(heads, kv_heads, hd, bs):
 
 
 @prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128)])
+def test_prefill_kernel_reads_an_int8_cache(heads, kv_heads, hd):
+    """kv_cache_dtype int8: a chunk after earlier context attends to the cache's codes times
+    their scales (its own tokens too, written quantized first), a fresh prompt to its own
+    full-precision K/V, as the SDPA path does; the kernel agrees with that path and with the
+    reference over the same values."""
+    prefill = [(100, 100), (40, 170), (1, 65)]
+    cache, query, key, value, layout, full_k, full_v, q_lens = random_step(torch.bfloat16, 16, kv_heads, heads, hd,
+                                                                          [7], prefill)
+    (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, torch.int8) for c in cache)
+    cache = (key_codes, value_codes, key_scales, value_scales)
+    backend, plain = TorchAttentionBackend(kernels=kernels), TorchAttentionBackend()
+    meta = backend.build_metadata(layout, "cpu")
+    assert meta.prefill_kernel_args is not None
+    out = backend.forward(query, key, value, tuple(t.clone() for t in cache), meta, 0.125)
+    sdpa = plain.forward(query, key, value, tuple(t.clone() for t in cache), plain.build_metadata(layout, "cpu"), 0.125)
+    lossy = lambda x: dequantize_kv(*quantize_kv(x, torch.int8), torch.bfloat16)  # noqa: E731
+    expected = []
+    for i, (q, k, v) in enumerate(zip(query.split(q_lens), full_k, full_v)):
+        seq_len, q_len = k.shape[0], q.shape[0]
+        if i == 0 or seq_len > q_len:  # the decode and chunks after context read the cache
+            k, v = lossy(k), lossy(v)
+        expected.append(reference(q.float(), k.float(), v.float(), 0.125))
+    expected = torch.cat(expected)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+    ours_err, sdpa_err = ((x.float() - expected).abs().mean().item() for x in (out, sdpa))
+    assert ours_err <= 1.2 * sdpa_err, (ours_err, sdpa_err)
+
+
+@prefill_kernel
 def test_prefill_kernel_refuses_what_it_does_not_take():
     cache, query, key, value, layout, *_ = random_step(torch.bfloat16, 16, 3, 9, 64, [], [(10, 10)])
     args = TorchAttentionBackend(kernels=kernels).build_metadata(layout, "cpu").prefill_kernel_args
@@ -124,7 +155,9 @@ def test_prefill_kernel_refuses_what_it_does_not_take():
     with pytest.raises(RuntimeError, match="64 or 128"):
         kernels.paged_prefill_attention(out[..., :32].contiguous(), query[..., :32].contiguous(),
                                         *(c[..., :32].contiguous() for c in cache), *args, 0.125)
-    # an fp32 step or an int8 cache keeps PyTorch's SDPA for its prefills
+    with pytest.raises(RuntimeError, match="key and value: both or neither"):
+        kernels.paged_prefill_attention(out, query, *cache, *args, 0.125, key=key)
+    # an fp32 step keeps PyTorch's SDPA for its prefills
     cache32, query32, key32, value32, layout32, full_k, full_v, _ = random_step(torch.float32, 16, 3, 9, 64, [], [(10, 10)])
     backend = TorchAttentionBackend(kernels=kernels)
     out32 = backend.forward(query32, key32, value32, cache32, backend.build_metadata(layout32, "cpu"), 0.125)

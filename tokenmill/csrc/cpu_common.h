@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 // The AVX-512 BF16 kernels are built only where the compiler targets it (-march=native on such a
 // CPU); elsewhere their callers keep PyTorch's ops (gemv_supported(), prefill_attention_supported()).
@@ -40,6 +41,30 @@ struct PagedLayout {
     max_blocks = block_tables.size(1);
   }
 };
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// The cache holds `compute` (no scales), or int8 codes with float32 scales [num_blocks,
+// block_size, num_kv_heads] for both K and V. Returns whether it is int8.
+inline bool check_cache_dtype(at::ScalarType compute, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                              const c10::optional<at::Tensor>& key_scales,
+                              const c10::optional<at::Tensor>& value_scales) {
+  const bool quantized = key_scales.has_value();
+  TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
+                  key_cache.scalar_type() == (quantized ? at::kChar : compute),
+              "the cache must hold the compute dtype (without scales) or int8 codes (with scales)");
+  if (quantized) {
+    for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
+      check_cpu(*t, "every tensor");
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_cache.sizes().slice(0, 3),
+                  "key_scales and value_scales: contiguous float32 [num_blocks, block_size, num_kv_heads]");
+    }
+  }
+  return quantized;
+}
 
 // Offsets, in cache elements, of the K (and V: the caches share one layout) vectors of tokens
 // [begin, end) of one KV head, read through a sequence's block table. In a contiguous cache

@@ -484,29 +484,6 @@ void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor
   });
 }
 
-void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-}
-
-// The cache holds `compute` (no scales), or int8 codes with float32 scales [num_blocks,
-// block_size, num_kv_heads] for both K and V. Returns whether it is int8.
-bool check_cache_dtype(at::ScalarType compute, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                       const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales) {
-  const bool quantized = key_scales.has_value();
-  TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
-                  key_cache.scalar_type() == (quantized ? at::kChar : compute),
-              "the cache must hold the compute dtype (without scales) or int8 codes (with scales)");
-  if (quantized) {
-    for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
-      check_cpu(*t, "every tensor");
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_cache.sizes().slice(0, 3),
-                  "key_scales and value_scales: contiguous float32 [num_blocks, block_size, num_kv_heads]");
-    }
-  }
-  return quantized;
-}
-
 // paged_decode_attention_impl with the head sizes 64 and 128 as compile-time constants.
 template <typename T, typename C>
 void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -540,7 +517,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                             const c10::optional<at::Tensor>& value_scales) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache,
                                                                       &block_tables, &seq_lens}) {
-    check_cpu(*t, "every tensor");
+    tokenmill::check_cpu(*t, "every tensor");
   }
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out: [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be [num_heads, head_dim] contiguous");
@@ -550,7 +527,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
-  const bool quantized = check_cache_dtype(query.scalar_type(), key_cache, value_cache, key_scales, value_scales);
+  const bool quantized = tokenmill::check_cache_dtype(query.scalar_type(), key_cache, value_cache, key_scales, value_scales);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.size(0) == query.size(0) &&
                   seq_lens.size(0) == query.size(0),
@@ -574,8 +551,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 namespace {
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
-  check_cpu(x, "x");
-  check_cpu(weight, "weight");
+  tokenmill::check_cpu(x, "x");
+  tokenmill::check_cpu(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, hidden]");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type() &&
                   weight.is_contiguous(),
@@ -599,7 +576,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                 double eps) {
   check_norm_args(x, weight);
-  check_cpu(delta, "delta");
+  tokenmill::check_cpu(delta, "delta");
   TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() && delta.is_contiguous(),
               "delta: contiguous, x's shape and dtype");
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
@@ -623,7 +600,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
                          const c10::optional<at::Tensor>& value_scales) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &cos, &sin, &slot_mapping, &key_cache,
                                                                       &value_cache}) {
-    check_cpu(*t, "every tensor");
+    tokenmill::check_cpu(*t, "every tensor");
   }
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes() && key_cache.size(2) == num_kv_heads,
@@ -638,7 +615,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
               "cos and sin: [n, head_dim] rows (a middle axis of 1 allowed)");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "qkv, cos and sin must share a dtype");
-  const bool quantized = check_cache_dtype(qkv.scalar_type(), key_cache, value_cache, key_scales, value_scales);
+  const bool quantized = tokenmill::check_cache_dtype(qkv.scalar_type(), key_cache, value_cache, key_scales, value_scales);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
                   slot_mapping.is_contiguous(),
               "slot_mapping: contiguous [n] int64");
@@ -664,9 +641,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("key_scales") = pybind11::none(),
         pybind11::arg("value_scales") = pybind11::none());
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over the paged cache (CPU, bf16)",
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over the paged cache (CPU, bf16 queries)",
         pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
-        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_lens"), pybind11::arg("scale"));
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_lens"), pybind11::arg("scale"),
+        pybind11::arg("key_scales") = pybind11::none(), pybind11::arg("value_scales") = pybind11::none(),
+        pybind11::arg("key") = pybind11::none(), pybind11::arg("value") = pybind11::none());
   m.def("prefill_attention_supported", &prefill_attention_supported,
         "whether paged_prefill_attention was built (AVX-512 BF16)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");

@@ -31,11 +31,14 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const c10::optional<at::Tensor>& bias);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 
-// cpu_prefill.cpp: causal prefill attention over the paged cache (bf16, AVX-512 BF16 only).
+// cpu_prefill.cpp: causal prefill attention over the paged cache (bf16 queries, a bf16 or int8
+// cache; AVX-512 BF16 only).
 bool prefill_attention_supported();
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const at::Tensor& query_lens, double scale);
+                             const at::Tensor& query_lens, double scale, const c10::optional<at::Tensor>& key_scales,
+                             const c10::optional<at::Tensor>& value_scales, const c10::optional<at::Tensor>& key,
+                             const c10::optional<at::Tensor>& value);
 
 // Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
 void bind_decoder_stack(pybind11::module& m);

@@ -45,18 +45,65 @@ struct PrefillAttention : tokenmill::PagedLayout {
   static constexpr int64_t kBlockWords = kKeyBlock * kPairs;  // uint32 per packed K (or V) block
 
   const uint16_t* q;
-  const uint16_t* k_cache;
-  const uint16_t* v_cache;
+  const void* k_cache;  // bf16, or int8 codes with k_scales / v_scales
+  const void* v_cache;
+  const float* k_scales;
+  const float* v_scales;
+  const uint16_t* own_k;  // the query tokens' own keys and values (or null), rows own_k_row / own_v_row apart
+  const uint16_t* own_v;
+  int64_t own_k_row, own_v_row;
   uint16_t* out;
   const int32_t* tables;
   float scale;
 
-  // Keys [0, n) of one KV head of a chunk (block table `table`) into kp and vp, whole blocks.
-  void pack(const int32_t* table, int64_t kv_head, int64_t n, uint32_t* kp, uint32_t* vp,
+  // Keys [0, n) of one KV head of a chunk into kp and vp, whole blocks: from the chunk's own K/V
+  // rows (own: the chunk has no earlier context; its rows start at token q_start) or from the
+  // cache through its block table (an int8 cache dequantized to bf16 as dequantize_kv does:
+  // the code times its scale in fp32, rounded once).
+  void pack(int64_t chunk, int64_t kv_head, int64_t n, bool own, int64_t q_start, uint32_t* kp, uint32_t* vp,
             std::vector<int64_t>& offsets) const {
-    const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
+    if (own) {
+      const uint16_t* k = own_k + q_start * own_k_row + kv_head * D;
+      const uint16_t* v = own_v + q_start * own_v_row + kv_head * D;
+      pack_rows(n, kp, vp, [&](bool value, int64_t key, int64_t c) {
+        return _mm512_loadu_si512(value ? v + key * own_v_row + 32 * c : k + key * own_k_row + 32 * c);
+      });
+      return;
+    }
     offsets.resize(n);
-    tokenmill::cached_row_offsets(table, 0, n, block_size, block_stride, token_stride, kv_head * D, offsets.data());
+    tokenmill::cached_row_offsets(tables + chunk * max_blocks, 0, n, block_size, block_stride, token_stride,
+                                  kv_head * D, offsets.data());
+    if (k_scales) {  // offset / D: the token-head's scale
+      const auto* k = static_cast<const int8_t*>(k_cache);
+      const auto* v = static_cast<const int8_t*>(v_cache);
+      pack_rows(n, kp, vp, [&](bool value, int64_t key, int64_t c) {
+        const int64_t off = offsets[key];
+        return widen_int8((value ? v : k) + off + 32 * c, (value ? v_scales : k_scales)[off / D]);
+      });
+    } else {
+      const auto* k = static_cast<const uint16_t*>(k_cache);
+      const auto* v = static_cast<const uint16_t*>(v_cache);
+      pack_rows(n, kp, vp, [&](bool value, int64_t key, int64_t c) {
+        return _mm512_loadu_si512((value ? v : k) + offsets[key] + 32 * c);
+      });
+    }
+  }
+
+  // 32 int8 codes times scale, rounded to bf16 (round to nearest even, as PyTorch's .to()).
+  static __m512i widen_int8(const int8_t* codes, float scale) {
+    const __m512 s = _mm512_set1_ps(scale);
+    const auto part = [&](int64_t i) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
+    };
+    return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
+  }
+
+  // pack's layouts from row(value, key, c): bf16 dims 32c .. 32c + 31 of key `key` (< n) of K or V.
+  template <typename Row>
+  static void pack_rows(int64_t n, uint32_t* kp, uint32_t* vp, const Row& row) {
+    const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
+    const auto load = [&](bool value, int64_t key, int64_t c) { return key < n ? row(value, key, c) : _mm512_setzero_si512(); };
     // lo: dims 0-15 of two rows interleaved (row a's dim i in element 2i, row b's in 2i + 1); hi: dims 16-31.
     alignas(64) uint16_t lo_idx[32], hi_idx[32];
     for (int i = 0; i < 16; ++i) {
@@ -64,15 +111,12 @@ struct PrefillAttention : tokenmill::PagedLayout {
       hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
     }
     const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-    const auto row = [&](const uint16_t* base, int64_t key, int64_t c) {
-      return key < n ? _mm512_loadu_si512(base + offsets[key] + 32 * c) : _mm512_setzero_si512();
-    };
     __m512i a[16], t[16];
     for (int64_t b = 0; b < blocks; ++b) {
       uint32_t* kb = kp + b * kBlockWords;  // [pair][64 keys]
       for (int64_t j = 0; j < kKeyBlock / 16; ++j) {
         for (int64_t c = 0; c < D / 32; ++c) {
-          for (int64_t i = 0; i < 16; ++i) a[i] = row(k_cache, b * kKeyBlock + 16 * j + i, c);
+          for (int64_t i = 0; i < 16; ++i) a[i] = load(false, b * kKeyBlock + 16 * j + i, c);
           tokenmill::transpose16(a, t);
           for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(kb + (16 * c + p) * kKeyBlock + 16 * j, t[p]);
         }
@@ -81,7 +125,7 @@ struct PrefillAttention : tokenmill::PagedLayout {
       for (int64_t jp = 0; jp < kKeyBlock / 2; ++jp) {
         const int64_t key = b * kKeyBlock + 2 * jp;
         for (int64_t c = 0; c < D / 32; ++c) {
-          const __m512i x0 = row(v_cache, key, c), x1 = row(v_cache, key + 1, c);
+          const __m512i x0 = load(true, key, c), x1 = load(true, key + 1, c);
           _mm512_storeu_si512(vb + jp * D + 32 * c, _mm512_permutex2var_epi16(x0, lo, x1));
           _mm512_storeu_si512(vb + jp * D + 32 * c + 16, _mm512_permutex2var_epi16(x0, hi, x1));
         }
@@ -223,13 +267,20 @@ struct PrefillAttention : tokenmill::PagedLayout {
 template <int64_t D>
 void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_lens,
-                  double scale) {
+                  double scale, const float* k_scales, const float* v_scales, const at::Tensor* key,
+                  const at::Tensor* value) {
   using Attn = PrefillAttention<D>;
   Attn attn;
   attn.set(query, out, key_cache, block_tables);
   attn.q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
-  attn.k_cache = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>());
-  attn.v_cache = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());
+  attn.k_cache = key_cache.data_ptr();
+  attn.v_cache = value_cache.data_ptr();
+  attn.k_scales = k_scales;
+  attn.v_scales = v_scales;
+  attn.own_k = key ? reinterpret_cast<const uint16_t*>(key->data_ptr<at::BFloat16>()) : nullptr;
+  attn.own_v = value ? reinterpret_cast<const uint16_t*>(value->data_ptr<at::BFloat16>()) : nullptr;
+  attn.own_k_row = key ? key->stride(0) : 0;
+  attn.own_v_row = value ? value->stride(0) : 0;
   attn.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   attn.tables = block_tables.data_ptr<int32_t>();
   attn.scale = static_cast<float>(scale);
@@ -251,7 +302,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     std::vector<int64_t> offsets;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i / kv_heads, h = i % kv_heads;
-      attn.pack(attn.tables + c * attn.max_blocks, h, lens[c], kp.get() + packed(c, h), vp.get() + packed(c, h),
+      attn.pack(c, h, lens[c], key && lens[c] == qlens[c], q_start[c], kp.get() + packed(c, h), vp.get() + packed(c, h),
                 offsets);
     }
   });
@@ -286,32 +337,46 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 // out, query [num_tokens, num_heads, head_dim] bf16 (rows may be strided): the chunks' query
 // tokens one chunk after another; key_cache, value_cache [num_blocks, block_size, num_kv_heads,
-// head_dim] bf16 contiguous, already holding every chunk's keys and values; block_tables
-// [num_chunks, max_blocks] int32; seq_lens [num_chunks] int32 (context length, the chunk
-// included); query_lens [num_chunks] int32 (sum = num_tokens). Chunk c's query i sits at
-// position seq_len - query_len + i and attends keys 0 .. that position.
+// head_dim] contiguous, already holding every chunk's keys and values: bf16, or int8 codes with
+// key_scales, value_scales [num_blocks, block_size, num_kv_heads] float32 (kv_cache_dtype int8);
+// block_tables [num_chunks, max_blocks] int32; seq_lens [num_chunks] int32 (context length, the
+// chunk included); query_lens [num_chunks] int32 (sum = num_tokens). Chunk c's query i sits at
+// position seq_len - query_len + i and attends keys 0 .. that position. key, value (optional,
+// both or neither): the query tokens' own keys and values [num_tokens, num_kv_heads, head_dim]
+// bf16 (rows may be strided); a chunk with no earlier context then attends to them instead of
+// the cache (with an int8 cache: at full precision, as the torch backend's SDPA path does).
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const at::Tensor& query_lens, double scale) {
+                             const at::Tensor& query_lens, double scale, const c10::optional<at::Tensor>& key_scales,
+                             const c10::optional<at::Tensor>& value_scales, const c10::optional<at::Tensor>& key,
+                             const c10::optional<at::Tensor>& value) {
   TORCH_CHECK(prefill_attention_supported(), "paged_prefill_attention needs AVX-512 BF16 (prefill_attention_supported())");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache,
                                                                       &block_tables, &seq_lens, &query_lens}) {
-    TORCH_CHECK(t->device().is_cpu(), "every tensor must be a CPU tensor");
+    tokenmill::check_cpu(*t, "every tensor");
   }
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out: [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
                   out.stride(1) == out.size(2),
               "query and out rows must be [num_heads, head_dim] contiguous");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-                  key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16,
-              "query, out and the caches must be bf16");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "query and out must be bf16");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes(),
               "key_cache and value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim], same shape");
-  const int64_t head_dim = query.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && query.size(1) % key_cache.size(2) == 0,
+  const bool quantized = tokenmill::check_cache_dtype(at::kBFloat16, key_cache, value_cache, key_scales, value_scales);
+  const int64_t head_dim = query.size(2), kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && query.size(1) % kv_heads == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(key.has_value() == value.has_value(), "key and value: both or neither");
+  if (key) {
+    for (const at::Tensor* t : {&*key, &*value}) {
+      tokenmill::check_cpu(*t, "every tensor");
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == query.size(0) &&
+                      t->size(1) == kv_heads && t->size(2) == head_dim && t->stride(2) == 1 && t->stride(1) == head_dim,
+                  "key and value: bf16 [num_tokens, num_kv_heads, head_dim] with contiguous rows");
+    }
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_lens.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous() && query_lens.is_contiguous() && seq_lens.size(0) == block_tables.size(0) &&
@@ -332,10 +397,16 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   }
   TORCH_CHECK(total == query.size(0), "query_lens must sum to the number of query tokens");
 #ifdef TOKENMILL_AVX512_BF16
+  const float* k_scales = quantized ? key_scales->data_ptr<float>() : nullptr;
+  const float* v_scales = quantized ? value_scales->data_ptr<float>() : nullptr;
+  const at::Tensor* own_k = key ? &*key : nullptr;
+  const at::Tensor* own_v = value ? &*value : nullptr;
   if (head_dim == 64) {
-    prefill_impl<64>(out, query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale);
+    prefill_impl<64>(out, query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale, k_scales, v_scales,
+                     own_k, own_v);
   } else {
-    prefill_impl<128>(out, query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale);
+    prefill_impl<128>(out, query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale, k_scales, v_scales,
+                      own_k, own_v);
   }
 #endif
 }

@@ -104,9 +104,10 @@ class TorchAttentionBackend:
     dtype or int8 codes + scales, on the CPU), decodes are attended by its
     `paged_decode_attention`, which reads the cache in place through the block tables, instead
     of gathered padded groups and SDPA; and, where `prefill_attention_supported()` (AVX-512
-    BF16) with bf16 queries and cache and a head size of 64 or 128, every prefill chunk of the
-    step by one `paged_prefill_attention` call (flash-style, over the cache the chunk was just
-    written to, so earlier context and the chunk are read alike) instead of SDPA per chunk."""
+    BF16) with bf16 queries, a bf16 or int8 cache and a head size of 64 or 128, every prefill
+    chunk of the step by one `paged_prefill_attention` call (flash-style, over the cache the
+    chunk was just written to; a chunk with no earlier context over its own K/V, as below)
+    instead of SDPA per chunk."""
 
     def __init__(self, group_cost: int = 12, kernels=None):
         self.group_cost = group_cost  # see split_by_length
@@ -149,7 +150,8 @@ class TorchAttentionBackend:
                                                     *kv_cache[2:])  # an int8 cache's scales
             if prefill_kernel:
                 self.kernels.paged_prefill_attention(out[n:], query[n:], kv_cache[0], kv_cache[1],
-                                                     *meta.prefill_kernel_args, scale)
+                                                     *meta.prefill_kernel_args, scale, *kv_cache[2:],
+                                                     key=key[n:], value=value[n:])
             else:
                 self._prefill_chunks(query, key, value, kv_cache, meta, n, out, scale)
             return out
@@ -283,9 +285,10 @@ def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
 
 
 def _prefill_kernel_fits(query: torch.Tensor, kv_cache) -> bool:
-    """Whether `paged_prefill_attention` takes these: bf16 queries and cache, head size 64 or 128."""
-    return (query.dtype == torch.bfloat16 and len(kv_cache) == 2 and kv_cache[0].dtype == torch.bfloat16
-            and query.shape[-1] in (64, 128))
+    """Whether `paged_prefill_attention` takes these: bf16 queries, a bf16 or int8 cache, head
+    size 64 or 128."""
+    cache_dtype = torch.bfloat16 if len(kv_cache) == 2 else torch.int8
+    return query.dtype == torch.bfloat16 and kv_cache[0].dtype == cache_dtype and query.shape[-1] in (64, 128)
 
 
 def _write_kv(kv_cache, slot_mapping, key, value) -> None:
