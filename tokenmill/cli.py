@@ -34,10 +34,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: do not capture CUDA graphs of decode steps (captured by default with the triton "
                              "attention backend, at batch sizes 1, 2, 4, 8, 16, ... up to min(--max-num-seqs, 256))")
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                        help="CPU: PyTorch ops only, not tokenmill's compiled CPU kernels (paged decode attention, "
-                             "RMSNorm, RoPE + KV store, and the decoder layers of decode-only steps in one compiled "
-                             "call; built with g++ at first use and cached, ~30 s once; default: used when they build, "
-                             "except with --kv-cache-dtype fp8)")
+                        help="CPU: PyTorch ops only, not tokenmill's compiled CPU kernels (paged decode and prefill "
+                             "attention, RMSNorm, RoPE + KV store, few-row and quantized matmuls, and the decoder "
+                             "layers of a step in one compiled call; built with g++ at first use and cached, ~30 s "
+                             "once; default: used when they build, except with --kv-cache-dtype fp8)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
                         help="quantize the linear layers on load: int8 (weight-only, per output channel), int4 "
                              "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "

@@ -1,8 +1,9 @@
 """The compiled DecoderStack (csrc/cpu_decoder.cpp) against the Python decoder layers it stands
-in for: a decode-only step through a model's forward with the stack and without it must give
-bit-identical hidden states and KV caches, for every linear format it runs (bf16 oneDNN, fp32
-dense, weight-only int8 on both sides of its row threshold, int4 with and without an input
-scale), q/k/v biases (Qwen2), and an int8 KV cache. Also: when it is used and when it is not."""
+in for: a step through a model's forward with the stack and without it must give bit-identical
+hidden states and KV caches, for decode-only steps and steps with prefill chunks, for every
+linear format it runs (bf16 oneDNN, fp32 dense, weight-only int8 on both sides of its row
+threshold, int4 with and without an input scale), q/k/v biases (Qwen2), and an int8 KV cache.
+Also: when it is used and when it is not."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built here: {cpu_kernels.build_error()}")
 
 
-def decode_step(runner, seq_lens: list[int], seed: int = 0):
-    """A decode-only step over random caches: (input_ids, positions, caches, layout). Sequence i
-    owns consecutive blocks from a distinct start; its new token sits at position len - 1."""
+def decode_step(runner, seq_lens: list[int], seed: int = 0, prefill: list[tuple[int, int]] = ()):
+    """A step over random caches: (input_ids, positions, caches, layout). Decodes of `seq_lens`
+    (sequence i's new token at position len - 1), then prefill chunks of (chunk length, context
+    length incl. the chunk). Each sequence owns consecutive blocks from a distinct start."""
     gen = torch.Generator().manual_seed(seed)
     bs = runner.block_size
     caches = []
@@ -29,32 +31,42 @@ def decode_step(runner, seq_lens: list[int], seed: int = 0):
             caches.append((*codes, *(torch.rand(t.shape, generator=gen) * 0.02 for t in layer[2:])))
         else:
             caches.append(tuple(torch.randn(t.shape, generator=gen).to(t.dtype) for t in layer))
-    tables, slots, next_block = [], [], 1
-    for n in seq_lens:
+    tables, slots, positions, next_block = [], [], [], 1
+    for q_len, n in [(1, n) for n in seq_lens] + list(prefill):
         blocks = list(range(next_block, next_block + -(-n // bs)))
         next_block += len(blocks) + 1
         tables.append(blocks)
-        slots.append(blocks[(n - 1) // bs] * bs + (n - 1) % bs)
+        positions += range(n - q_len, n)
+        slots += [blocks[p // bs] * bs + p % bs for p in range(n - q_len, n)]
     assert next_block <= runner.num_blocks
-    layout = BatchLayout(bs, slots, tables, list(seq_lens), [], [], [])
-    input_ids = torch.randint(0, runner.model.config.vocab_size, (len(seq_lens),), generator=gen)
-    positions = torch.tensor([n - 1 for n in seq_lens])
-    return input_ids, positions, caches, layout
+    d = len(seq_lens)
+    layout = BatchLayout(bs, slots, tables[:d], list(seq_lens), [q for q, _ in prefill], [n for _, n in prefill],
+                         tables[d:])
+    input_ids = torch.randint(0, runner.model.config.vocab_size, (len(positions),), generator=gen)
+    return input_ids, torch.tensor(positions), caches, layout
 
 
-def assert_stack_matches_python(runner, seq_lens: list[int]):
+def assert_stack_matches_python(runner, seq_lens: list[int], prefill: list[tuple[int, int]] = ()):
     model = runner.model
     stack = model.cpu_decoder
     assert stack is not None
-    input_ids, positions, caches, layout = decode_step(runner, seq_lens)
+    input_ids, positions, caches, layout = decode_step(runner, seq_lens, prefill=prefill)
     results = []
-    for decoder in (stack, None):
+    calls = []
+
+    class Spy:  # the stack, counting its calls
+        def forward(self, *args):
+            calls.append(args[0].shape[0])
+            return stack.forward(*args)
+
+    for decoder in (Spy(), None):
         model.cpu_decoder = decoder
         run_caches = [tuple(t.clone() for t in layer) for layer in caches]
         meta = model.attn_backend.build_metadata(layout, "cpu")
         with torch.inference_mode():
             results.append((model(input_ids, positions, run_caches, meta), run_caches))
     model.cpu_decoder = stack
+    assert calls == [len(positions)]  # the stack ran the step
     (hidden, stack_caches), (expected, python_caches) = results
     assert hidden.dtype == expected.dtype and torch.equal(hidden, expected)
     for a, b in zip(stack_caches, python_caches):
@@ -79,6 +91,16 @@ def test_bf16_onednn_linears(bf16_runner, seq_lens):
     assert_stack_matches_python(bf16_runner, seq_lens)
 
 
+# Steps with prefill chunks (through paged_prefill_attention): a fresh prompt alone, and decodes
+# next to a fresh prompt, a chunk after earlier context and a 1-token chunk.
+PREFILL_STEPS = [([], [(40, 40)]), ([5, 70], [(33, 33), (20, 90), (1, 17)])]
+
+
+@pytest.mark.parametrize("seq_lens,prefill", PREFILL_STEPS)
+def test_bf16_steps_with_prefill_chunks(bf16_runner, seq_lens, prefill):
+    assert_stack_matches_python(bf16_runner, seq_lens, prefill)
+
+
 @pytest.mark.parametrize("options,seq_lens", [
     ({"quantization": "int4"}, [5, 40, 33]),  # int4_linear (<= 3 rows)
     ({"quantization": "int4"}, [5, 40, 33, 7, 90, 12]),  # PyTorch's int4 kernel (4-23 rows)
@@ -90,6 +112,8 @@ def test_bf16_onednn_linears(bf16_runner, seq_lens):
 def test_quantized_linears_and_kv_cache(options, seq_lens):
     runner = LLM("smollm2-135m", dtype="bfloat16", **options).engine.core.runner
     assert_stack_matches_python(runner, seq_lens)
+    if len(seq_lens) <= 3:  # and a step with prefill chunks (many rows: the gemm kernels)
+        assert_stack_matches_python(runner, *PREFILL_STEPS[1])
 
 
 def test_qwen2_biases_fp32_and_int4_input_scales(tiny_qwen2_dir):
@@ -107,22 +131,34 @@ def test_qwen2_biases_fp32_and_int4_input_scales(tiny_qwen2_dir):
     assert_stack_matches_python(runner, [2, 19, 50])
 
 
-def test_used_for_decode_only_steps_only(bf16_llm, monkeypatch):
+class CountingStack:
+    def __init__(self, stack):
+        self.stack, self.rows = stack, []
+
+    def forward(self, x, *args):
+        self.rows.append(x.shape[0])
+        return self.stack.forward(x, *args)
+
+
+def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):
     model = bf16_llm.engine.core.runner.model
-    stack, rows = model.cpu_decoder, []
-
-    class Spy:
-        def forward(self, x, *args):
-            rows.append(x.shape[0])
-            return stack.forward(x, *args)
-
+    spy = CountingStack(model.cpu_decoder)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[100, 200, 300] * 4, [7, 8, 9] * 5]
-    monkeypatch.setattr(model, "cpu_decoder", Spy())
+    monkeypatch.setattr(model, "cpu_decoder", spy)
     out = [o.outputs[0].token_ids for o in bf16_llm.generate(prompts, params)]
-    assert rows == [2] * 5  # the prefill step ran the Python layers, each decode step the stack
+    assert spy.rows == [27] + [2] * 5  # the prefill step, then each decode step
     monkeypatch.setattr(model, "cpu_decoder", None)
     assert [o.outputs[0].token_ids for o in bf16_llm.generate(prompts, params)] == out
+
+
+def test_fp32_prefills_run_the_python_layers(monkeypatch):
+    llm = LLM("smollm2-135m", dtype="float32")
+    model = llm.engine.core.runner.model
+    spy = CountingStack(model.cpu_decoder)
+    monkeypatch.setattr(model, "cpu_decoder", spy)
+    llm.generate([[100, 200, 300] * 4], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert spy.rows == [1, 1]  # no prefill kernel for fp32: only the decode steps
 
 
 def test_not_built_without_kernels_or_for_w8a8():

@@ -1,5 +1,6 @@
-// DecoderStack: the decoder layers of a Llama-family model (models/llama.py) for a decode-only
-// step on the CPU, in one call from Python. The Python forward costs ~20 dispatched ops and ~10
+// DecoderStack: the decoder layers of a Llama-family model (models/llama.py) for a step on the
+// CPU, in one call from Python: decode-only steps, and steps with prefill chunks where
+// paged_prefill_attention takes them (bf16). The Python forward costs ~20 dispatched ops and ~10
 // module calls per layer, ~1.5 ms per step at batch 1 for the default model (a quarter of the
 // step with int4 weights); here the same ops run back to back from C++, with the GIL released.
 //
@@ -15,6 +16,7 @@
 
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -134,15 +136,20 @@ class DecoderStack {
     }
   }
 
-  // x: [n, hidden], the embeddings of n decoding tokens; cos, sin: their rotary rows; slot_mapping
-  // [n] int64; block_tables [n, width] int32, seq_lens [n] int32; kv_caches: per layer
-  // (key, value) or (key codes, value codes, key scales, value scales). Returns the last layer's
-  // output (before the final norm).
+  // x: [n, hidden], the embeddings of a step's n tokens, decodes first, then prefill chunks (as
+  // TorchAttentionBackend orders them); cos, sin: their rotary rows; slot_mapping [n] int64;
+  // block_tables [num_decodes, width] int32 and seq_lens [num_decodes] int32 (none: no decodes);
+  // kv_caches: per layer (key, value) or (key codes, value codes, key scales, value scales);
+  // prefill: the chunks' (block_tables, seq_lens, query_lens) as paged_prefill_attention takes
+  // them (none: no chunks). Returns the last layer's output (before the final norm).
   at::Tensor forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const std::vector<std::vector<at::Tensor>>& kv_caches) const {
+                     const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& block_tables,
+                     const c10::optional<at::Tensor>& seq_lens, const std::vector<std::vector<at::Tensor>>& kv_caches,
+                     const c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>>& prefill) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
-    const int64_t n = x_in.size(0);
+    TORCH_CHECK(block_tables.has_value() == seq_lens.has_value(), "block_tables and seq_lens: both or neither");
+    const int64_t n = x_in.size(0), decodes = block_tables ? block_tables->size(0) : 0;
+    TORCH_CHECK(prefill || decodes == n, "tokens past the decodes need the prefill chunks' tables");
     at::Tensor x = x_in, h, delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -155,13 +162,26 @@ class DecoderStack {
       } else {
         std::tie(x, h) = add_rms_norm(x, delta, layer.input_norm, eps_);
       }
-      // LlamaAttention.forward, decodes through TorchAttentionBackend's kernel
+      // LlamaAttention.forward, through TorchAttentionBackend's kernels
       const at::Tensor qkv = layer.qkv(h);
       const at::Tensor qk = rope_write_kv(qkv, cos, sin, slot_mapping, cache[0], cache[1], num_heads_, num_kv_heads_,
                                           ks, vs);
       at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
-      paged_decode_attention(attn, qk.narrow(1, 0, num_heads_), cache[0], cache[1], block_tables, seq_lens, scale_,
-                             ks, vs);
+      if (decodes) {
+        paged_decode_attention(attn.narrow(0, 0, decodes), qk.narrow(0, 0, decodes).narrow(1, 0, num_heads_), cache[0],
+                               cache[1], *block_tables, *seq_lens, scale_, ks, vs);
+      }
+      if (prefill) {  // the chunks' own keys and values: the rotated keys, the values of qkv
+        const int64_t rows = n - decodes, kv_size = num_kv_heads_ * head_dim_;
+        const at::Tensor chunk_qk = qk.narrow(0, decodes, rows);
+        const at::Tensor values =
+            qkv.narrow(0, decodes, rows).narrow(1, (num_heads_ + num_kv_heads_) * head_dim_, kv_size).view(
+                {rows, num_kv_heads_, head_dim_});
+        const auto& [tables, lens, query_lens] = *prefill;
+        paged_prefill_attention(attn.narrow(0, decodes, rows), chunk_qk.narrow(1, 0, num_heads_), cache[0], cache[1],
+                                tables, lens, query_lens, scale_, ks, vs, chunk_qk.narrow(1, num_heads_, num_kv_heads_),
+                                values);
+      }
       const at::Tensor o = layer.o(attn.view({n, num_heads_ * head_dim_}));
       std::tie(x, h) = add_rms_norm(x, o, layer.post_norm, eps_);
       // LlamaMLP.forward
@@ -181,13 +201,13 @@ class DecoderStack {
 }  // namespace
 
 void bind_decoder_stack(py::module& m) {
-  py::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decoder's layers for decode-only steps (CPU)")
+  py::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decoder's layers for a step's tokens (CPU)")
       .def(py::init<const py::list&, double, int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t>(),
            py::arg("layers"),
            py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("intermediate_size"), py::arg("scale"), py::arg("kernel_max_rows"),
            py::arg("gemm_min_rows"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
-           py::arg("block_tables"), py::arg("seq_lens"), py::arg("kv_caches"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("kv_caches"), py::arg("prefill") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }

@@ -12,7 +12,8 @@
 //   decoding"). bf16 with a bf16 cache and head size a multiple of 32, on AVX-512 BF16: q . k
 //   by vdpbf16ps (exact products, fp32 sums) and V widened to fp32 by a shift and a mask.
 //   Reads an int8 cache (codes + one scale per token and KV head) too, with the scales folded
-//   into the scores and weights.
+//   into the scores and weights; with bf16 queries on AVX-512 BF16 the same way as a bf16 cache
+//   (codes widened to bf16, exactly).
 // rms_norm: y = x * rsqrt(mean(x^2) + eps) * w in one pass over each row, fp32 accumulation,
 //   rounded once to x's dtype. add_rms_norm: the residual add before it in the same pass.
 // rope_write_kv: rotary embedding of the queries and keys of a fused qkv projection output, and
@@ -74,13 +75,18 @@ inline __m512 sum_each_of_16(const __m512* v) {
 // over tokens [begin, end) of its context. For each query head g it leaves
 //   acc[g] = sum_t exp(s_gt - m_g) v_t,  m[g] = max_t s_gt,  l[g] = sum_t exp(s_gt - m_g)
 // (s_gt = scale * q_g . k_t), to be divided by l (one item per sequence) or combined with the
-// other items of the sequence first (split-K: flash decoding). The bf16 path keeps acc's 32-dim
-// chunks as [even dims, odd dims] (the order its bf16 -> fp32 widening gives); `store` undoes it.
+// other items of the sequence first (split-K: flash decoding). The SIMD path (bf16 queries over a
+// bf16 or int8 cache) keeps acc's 32-dim chunks as [even dims, odd dims] (the order its widening
+// of pairs gives); `store` undoes it. With an int8 cache it takes codes as bf16 (exact: |code|
+// <= 127), so q . codes is exact products in fp32 sums, then times the token's K scale; each
+// softmax weight is multiplied by the token's V scale before the pass over V.
 template <typename T, typename C, int64_t kHeadDim>
 struct DecodeAttention : tokenmill::PagedLayout {
+  static constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   static constexpr bool kSimd =
 #ifdef TOKENMILL_AVX512_BF16
-      std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0;
+      std::is_same_v<T, c10::BFloat16> && (std::is_same_v<C, c10::BFloat16> || kInt8) && kHeadDim > 0 &&
+      kHeadDim % 32 == 0;
 #else
       false;
 #endif
@@ -130,6 +136,12 @@ struct DecodeAttention : tokenmill::PagedLayout {
       l[g] = sum;
     }
     if constexpr (kSimd) {
+      if constexpr (kInt8) {  // the V scales into the weights (l above is their unscaled sum)
+        for (int64_t t = 0; t < n; ++t) {
+          const float v_scale = v_scales[w.offsets[t] / head_dim];
+          for (int64_t g = 0; g < group; ++g) w.scores[g * n + t] *= v_scale;
+        }
+      }
       simd_values(w.offsets.data(), n, w.scores.data(), acc);
     } else {
       generic_values(w, n, acc);
@@ -196,10 +208,26 @@ struct DecodeAttention : tokenmill::PagedLayout {
 
   // scores[g, t] = scale * q_g . k_t: vdpbf16ps on the bf16 rows (exact products, fp32 sums); the
   // partial-sum vectors of 16 tokens are reduced together. Prefetches the K and V rows ahead.
+  // 32 K (or V) elements of a cached row from element `off`: bf16 as they are, int8 codes as
+  // bf16 (through fp32; exact).
+  static __m512i row_bf16(const C* base, int64_t off) {
+    if constexpr (kInt8) {
+      const auto part = [&](int64_t i) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + off + i));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      };
+      return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
+    } else {
+      return _mm512_loadu_si512(base + off);
+    }
+  }
+
   void simd_scores(const T* q, const int64_t* offsets, int64_t n, float* scores) const {
-    const auto* k_base = reinterpret_cast<const uint16_t*>(k_ptr);
-    const auto* v_base = reinterpret_cast<const uint16_t*>(v_ptr);
+    const C* k_base = k_ptr;
+    const C* v_base = v_ptr;
     const __m512 vscale = _mm512_set1_ps(scale);
+    alignas(64) float token_scales[16];  // int8: the 16 tokens' K scales
+    std::fill(token_scales, token_scales + 16, 1.f);
     // part[g * 16 + i]: token t0 + i's products with query head g, summed pairwise
     __m512* part = static_cast<__m512*>(__builtin_alloca_with_align(group * 16 * sizeof(__m512), 512));
     const auto* qbits = reinterpret_cast<const uint16_t*>(q);
@@ -213,9 +241,9 @@ struct DecodeAttention : tokenmill::PagedLayout {
             _mm_prefetch(reinterpret_cast<const char*>(v_base + ahead + 32 * c), _MM_HINT_T0);
           }
         }
-        const uint16_t* k = k_base + offsets[t0 + i];
         __m512bh kv[kVecs];
-        for (int64_t c = 0; c < kVecs; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+        for (int64_t c = 0; c < kVecs; ++c) kv[c] = (__m512bh)row_bf16(k_base, offsets[t0 + i] + 32 * c);
+        if constexpr (kInt8) token_scales[i] = k_scales[offsets[t0 + i] / kHeadDim];
         for (int64_t g = 0; g < group; ++g) {
           __m512 a = _mm512_setzero_ps();
           for (int64_t c = 0; c < kVecs; ++c) {
@@ -226,8 +254,9 @@ struct DecodeAttention : tokenmill::PagedLayout {
       }
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = count; i < 16; ++i) part[g * 16 + i] = _mm512_setzero_ps();
+        const __m512 factor = kInt8 ? _mm512_mul_ps(vscale, _mm512_load_ps(token_scales)) : vscale;
         _mm512_mask_storeu_ps(scores + g * n + t0, static_cast<__mmask16>((1u << count) - 1),
-                              _mm512_mul_ps(sum_each_of_16(part + g * 16), vscale));
+                              _mm512_mul_ps(sum_each_of_16(part + g * 16), factor));
       }
     }
   }
@@ -250,19 +279,23 @@ struct DecodeAttention : tokenmill::PagedLayout {
 
   template <int kHeads>
   void values_pass(const int64_t* offsets, int64_t n, const float* p, float* acc) const {
-    const auto* v_base = reinterpret_cast<const uint16_t*>(v_ptr);
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     __m512 even[kHeads][kVecs], odd[kHeads][kVecs];
     for (int h = 0; h < kHeads; ++h) {
       for (int64_t c = 0; c < kVecs; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
     }
     for (int64_t t = 0; t < n; ++t) {
-      const uint16_t* v = v_base + offsets[t];
       __m512 ve[kVecs], vo[kVecs];
       for (int64_t c = 0; c < kVecs; ++c) {
-        const __m512i x = _mm512_loadu_si512(v + 32 * c);
-        ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        if constexpr (kInt8) {  // 32 codes as 16-bit pairs; each pair's low and high half sign-extended
+          const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_ptr + offsets[t] + 32 * c)));
+          ve[c] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 16), 16));
+          vo[c] = _mm512_cvtepi32_ps(_mm512_srai_epi32(x, 16));
+        } else {
+          const __m512i x = _mm512_loadu_si512(v_ptr + offsets[t] + 32 * c);
+          ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+          vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        }
       }
       for (int h = 0; h < kHeads; ++h) {
         const __m512 w = _mm512_set1_ps(p[h * n + t]);

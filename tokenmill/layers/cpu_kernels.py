@@ -11,9 +11,11 @@ cores) serves every later process.
 - `bf16_linear`, `int8_linear`, `int4_linear` (csrc/cpu_gemv.cpp): matmuls of 1-4 rows (the
   linears use them up to `layers.linear.KERNEL_MAX_ROWS`) where the CPU has AVX-512 BF16
   (`gemv_supported()`); `Int4Linear` packs its codes for `int4_linear`.
-- `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for decode-only steps in one
-  call, the same ops as the Python layers without the interpreter between them
-  (`LlamaForCausalLM.enable_cpu_decoder`).
+- `paged_prefill_attention` (csrc/cpu_prefill.cpp): causal flash attention of a step's bf16
+  prefill chunks over the paged cache (AVX-512 BF16: `prefill_attention_supported()`).
+- `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for a step (decode-only, or
+  with bf16 prefill chunks) in one call, the same ops as the Python layers without the
+  interpreter between them (`LlamaForCausalLM.enable_cpu_decoder`).
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no ninja); then
 `build_error()` says why and callers use their PyTorch path.

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.attention import AttentionBackend, prefill_kernel_fits
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import INT4_GEMM_MIN_ROWS, KERNEL_MAX_ROWS
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -107,24 +107,32 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The compiled DecoderStack (enable_cpu_decoder) for decode-only steps, or None.
+        # The compiled DecoderStack (enable_cpu_decoder) for the steps it takes (_stack_takes), or None.
         self.cpu_decoder = None
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns the final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)  # the same rows for every layer
-        if self.cpu_decoder is not None and meta.decode_block_tables is not None and not meta.prefill_query_lens:
+        if self.cpu_decoder is not None and self._stack_takes(meta, x.dtype, kv_caches):
             x = self.cpu_decoder.forward(x, *cos_sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-                                         kv_caches)
+                                         kv_caches, meta.prefill_kernel_args)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(cos_sin, x, kv_cache, meta)
         return self.norm(x)
 
+    def _stack_takes(self, meta, dtype: torch.dtype, kv_caches) -> bool:
+        """Whether the DecoderStack runs this step: its decodes through the decode kernel (TorchAttentionBackend
+        with kernels) and its prefill chunks, if any, through the prefill kernel."""
+        if not meta.prefill_query_lens:
+            return meta.decode_block_tables is not None
+        return meta.prefill_kernel_args is not None and prefill_kernel_fits(dtype, self.config.head_dim, kv_caches[0])
+
     def enable_cpu_decoder(self, kernels) -> bool:
-        """Run the layers of decode-only steps through `kernels.DecoderStack` (csrc/cpu_decoder.cpp:
-        the same ops as `LlamaDecoderLayer`, bit-identical, without Python between them). For a
+        """Run the layers of decode-only steps, and of steps whose prefill chunks the prefill kernel
+        takes, through `kernels.DecoderStack` (csrc/cpu_decoder.cpp: the same ops as
+        `LlamaDecoderLayer`, bit-identical, without Python between them). For a
         model on the CPU, converted to its final linears, whose attention backend decodes with
         `kernels` (TorchAttentionBackend's decode kernel). False, and nothing changes, when a
         linear has no compiled form (w8a8, fp8)."""
