@@ -18,7 +18,7 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built here: {cpu_kernels.build_error()}")
 
 
-def decode_step(runner, seq_lens: list[int], seed: int = 0, prefill: list[tuple[int, int]] = ()):
+def model_step(runner, seq_lens: list[int], seed: int = 0, prefill: list[tuple[int, int]] = ()):
     """A step over random caches: (input_ids, positions, caches, layout). Decodes of `seq_lens`
     (sequence i's new token at position len - 1), then prefill chunks of (chunk length, context
     length incl. the chunk). Each sequence owns consecutive blocks from a distinct start."""
@@ -46,27 +46,32 @@ def decode_step(runner, seq_lens: list[int], seed: int = 0, prefill: list[tuple[
     return input_ids, torch.tensor(positions), caches, layout
 
 
+class CountingStack:
+    """The DecoderStack, recording the rows of each step it runs."""
+
+    def __init__(self, stack):
+        self.stack, self.rows = stack, []
+
+    def forward(self, x, *args):
+        self.rows.append(x.shape[0])
+        return self.stack.forward(x, *args)
+
+
 def assert_stack_matches_python(runner, seq_lens: list[int], prefill: list[tuple[int, int]] = ()):
     model = runner.model
     stack = model.cpu_decoder
     assert stack is not None
-    input_ids, positions, caches, layout = decode_step(runner, seq_lens, prefill=prefill)
+    input_ids, positions, caches, layout = model_step(runner, seq_lens, prefill=prefill)
     results = []
-    calls = []
-
-    class Spy:  # the stack, counting its calls
-        def forward(self, *args):
-            calls.append(args[0].shape[0])
-            return stack.forward(*args)
-
-    for decoder in (Spy(), None):
+    spy = CountingStack(stack)
+    for decoder in (spy, None):
         model.cpu_decoder = decoder
         run_caches = [tuple(t.clone() for t in layer) for layer in caches]
         meta = model.attn_backend.build_metadata(layout, "cpu")
         with torch.inference_mode():
             results.append((model(input_ids, positions, run_caches, meta), run_caches))
     model.cpu_decoder = stack
-    assert calls == [len(positions)]  # the stack ran the step
+    assert spy.rows == [len(positions)]  # the stack ran the step
     (hidden, stack_caches), (expected, python_caches) = results
     assert hidden.dtype == expected.dtype and torch.equal(hidden, expected)
     for a, b in zip(stack_caches, python_caches):
@@ -129,15 +134,6 @@ def test_qwen2_biases_fp32_and_int4_input_scales(tiny_qwen2_dir):
             lin.input_scale = (torch.rand(lin.in_features, generator=gen) + 0.5).to(torch.bfloat16)
     assert model.enable_cpu_decoder(kernels)
     assert_stack_matches_python(runner, [2, 19, 50])
-
-
-class CountingStack:
-    def __init__(self, stack):
-        self.stack, self.rows = stack, []
-
-    def forward(self, x, *args):
-        self.rows.append(x.shape[0])
-        return self.stack.forward(x, *args)
 
 
 def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):

@@ -83,6 +83,11 @@ inline void cached_row_offsets(const int32_t* table, int64_t begin, int64_t end,
 }
 
 #ifdef TOKENMILL_AVX512_BF16
+// 16 int8 codes as fp32 (exact).
+inline __m512 int8x16_to_fp32(const int8_t* codes) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+}
+
 // The 16 x 16 transpose of 32-bit elements: a[i][k] -> out[k][i] (interleaves, then 128-bit
 // chunk shuffles; 64 shuffles).
 inline void transpose16(const __m512i* a, __m512i* out) {

@@ -1,7 +1,8 @@
 // Matmuls of a few rows (the decode steps of 1-3 requests) that read the weight once at close to
 // memory speed, where PyTorch's kernels leave bandwidth unused on this model's small matrices
-// (2 cores, AVX-512 BF16), and int8 / int4 matmuls of many rows (below). Built only where the compiler targets AVX-512 BF16 (-march=native on
-// such a CPU); elsewhere gemv_supported() is false and the linears keep PyTorch's kernels.
+// (2 cores, AVX-512 BF16), and int8 / int4 matmuls of many rows (below). Built only where the
+// compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere gemv_supported() is
+// false and the linears keep PyTorch's kernels.
 //
 // int4_linear: weight-only int4 (layers/linear.py Int4Linear). w = q * scale + min per group of
 // `group_size` input channels (q = 0..15), packed by Int4Linear into 64-weight chunks: byte j
@@ -429,12 +430,10 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef TOKENMILL_AVX512_BF16
   const auto* cp = codes.data_ptr<int8_t>();
-  const auto widen = [](const int8_t* src) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  };
   panel_gemm(x, N, scales, bias, y, [&](int64_t j, int64_t k, bool whole) {
     const int8_t* src = cp + j * K + k;
-    return (__m512i)_mm512_cvtne2ps_pbh(whole ? widen(src + 16) : _mm512_setzero_ps(), widen(src));
+    return (__m512i)_mm512_cvtne2ps_pbh(whole ? tokenmill::int8x16_to_fp32(src + 16) : _mm512_setzero_ps(),
+                                        tokenmill::int8x16_to_fp32(src));
   }, [&](int64_t n0, int64_t rows) { prefetch_bytes(cp + n0 * K, rows * K); });
 #endif
   return y;

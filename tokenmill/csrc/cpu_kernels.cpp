@@ -34,7 +34,6 @@
 #include <type_traits>
 #include <vector>
 
-
 namespace {
 
 template <typename T>
@@ -115,7 +114,7 @@ struct DecodeAttention : tokenmill::PagedLayout {
     w.offsets.resize(n);
     w.scores.resize(group * n);
     tokenmill::cached_row_offsets(tables + seq * max_blocks, begin, end, block_size, block_stride, token_stride,
-                       kv_head * head_dim, w.offsets.data());
+                                  kv_head * head_dim, w.offsets.data());
     const T* q = q_ptr + seq * q_row + kv_head * group * head_dim;
     if constexpr (kSimd) {
       simd_scores(q, w.offsets.data(), n, w.scores.data());
@@ -206,22 +205,20 @@ struct DecodeAttention : tokenmill::PagedLayout {
   // Query heads whose fp32 accumulators stay in registers through one pass over V.
   static constexpr int kMaxHeadsPerPass = kVecs <= 2 ? 6 : 2;
 
-  // scores[g, t] = scale * q_g . k_t: vdpbf16ps on the bf16 rows (exact products, fp32 sums); the
-  // partial-sum vectors of 16 tokens are reduced together. Prefetches the K and V rows ahead.
   // 32 K (or V) elements of a cached row from element `off`: bf16 as they are, int8 codes as
   // bf16 (through fp32; exact).
   static __m512i row_bf16(const C* base, int64_t off) {
     if constexpr (kInt8) {
-      const auto part = [&](int64_t i) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + off + i));
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      };
-      return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
+      return (__m512i)_mm512_cvtne2ps_pbh(tokenmill::int8x16_to_fp32(base + off + 16),
+                                          tokenmill::int8x16_to_fp32(base + off));
     } else {
       return _mm512_loadu_si512(base + off);
     }
   }
 
+  // scores[g, t] = scale * q_g . k_t (int8: times the token's K scale): vdpbf16ps on the bf16
+  // rows (exact products, fp32 sums); the partial-sum vectors of 16 tokens are reduced together.
+  // Prefetches the K and V rows ahead.
   void simd_scores(const T* q, const int64_t* offsets, int64_t n, float* scores) const {
     const C* k_base = k_ptr;
     const C* v_base = v_ptr;
@@ -288,7 +285,8 @@ struct DecodeAttention : tokenmill::PagedLayout {
       __m512 ve[kVecs], vo[kVecs];
       for (int64_t c = 0; c < kVecs; ++c) {
         if constexpr (kInt8) {  // 32 codes as 16-bit pairs; each pair's low and high half sign-extended
-          const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_ptr + offsets[t] + 32 * c)));
+          const auto* codes = reinterpret_cast<const __m256i*>(v_ptr + offsets[t] + 32 * c);
+          const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(codes));
           ve[c] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 16), 16));
           vo[c] = _mm512_cvtepi32_ps(_mm512_srai_epi32(x, 16));
         } else {

@@ -92,18 +92,17 @@ struct PrefillAttention : tokenmill::PagedLayout {
   // 32 int8 codes times scale, rounded to bf16 (round to nearest even, as PyTorch's .to()).
   static __m512i widen_int8(const int8_t* codes, float scale) {
     const __m512 s = _mm512_set1_ps(scale);
-    const auto part = [&](int64_t i) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
-    };
-    return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(tokenmill::int8x16_to_fp32(codes + 16), s),
+                                        _mm512_mul_ps(tokenmill::int8x16_to_fp32(codes), s));
   }
 
   // pack's layouts from row(value, key, c): bf16 dims 32c .. 32c + 31 of key `key` (< n) of K or V.
   template <typename Row>
   static void pack_rows(int64_t n, uint32_t* kp, uint32_t* vp, const Row& row) {
     const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
-    const auto load = [&](bool value, int64_t key, int64_t c) { return key < n ? row(value, key, c) : _mm512_setzero_si512(); };
+    const auto load = [&](bool value, int64_t key, int64_t c) {
+      return key < n ? row(value, key, c) : _mm512_setzero_si512();
+    };
     // lo: dims 0-15 of two rows interleaved (row a's dim i in element 2i, row b's in 2i + 1); hi: dims 16-31.
     alignas(64) uint16_t lo_idx[32], hi_idx[32];
     for (int i = 0; i < 16; ++i) {
@@ -288,16 +287,16 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qlens = query_lens.data_ptr<int32_t>();
 
-  // Packed K and V of each (chunk, KV head): whole blocks of 64 keys, pair (c, h) at words[c].
-  std::vector<int64_t> words(chunks + 1, 0), q_start(chunks + 1, 0);
+  // Packed K and V of each (chunk, KV head): whole blocks of 64 keys, head_words[c] words per
+  // head of chunk c, its heads from words[c] on.
+  std::vector<int64_t> words(chunks + 1, 0), head_words(chunks), q_start(chunks + 1, 0);
   for (int64_t c = 0; c < chunks; ++c) {
-    words[c + 1] = words[c] + kv_heads * (lens[c] + kKeyBlock - 1) / kKeyBlock * Attn::kBlockWords;
+    head_words[c] = (lens[c] + kKeyBlock - 1) / kKeyBlock * Attn::kBlockWords;
+    words[c + 1] = words[c] + kv_heads * head_words[c];
     q_start[c + 1] = q_start[c] + qlens[c];
   }
   std::unique_ptr<uint32_t[]> kp(new uint32_t[words[chunks]]), vp(new uint32_t[words[chunks]]);
-  const auto packed = [&](int64_t c, int64_t h) {
-    return words[c] + h * (lens[c] + kKeyBlock - 1) / kKeyBlock * Attn::kBlockWords;
-  };
+  const auto packed = [&](int64_t c, int64_t h) { return words[c] + h * head_words[c]; };
   at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> offsets;
     for (int64_t i = begin; i < end; ++i) {

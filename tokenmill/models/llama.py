@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenmill.layers.attention import AttentionBackend, prefill_kernel_fits
+from tokenmill.layers.attention import AttentionBackend, prefill_kernel_takes
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import INT4_GEMM_MIN_ROWS, KERNEL_MAX_ROWS
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         with kernels) and its prefill chunks, if any, through the prefill kernel."""
         if not meta.prefill_query_lens:
             return meta.decode_block_tables is not None
-        return meta.prefill_kernel_args is not None and prefill_kernel_fits(dtype, self.config.head_dim, kv_caches[0])
+        return prefill_kernel_takes(meta, dtype, self.config.head_dim, kv_caches[0])
 
     def enable_cpu_decoder(self, kernels) -> bool:
         """Run the layers of decode-only steps, and of steps whose prefill chunks the prefill kernel

@@ -8,7 +8,7 @@ from tokenmill.layers.attention.backend import (
     DecodeGroup,
     TorchAttentionBackend,
     build_decode_groups,
-    prefill_kernel_fits,
+    prefill_kernel_takes,
     split_by_length,
 )
 
@@ -36,6 +36,6 @@ __all__ = [
     "TorchAttentionBackend",
     "build_decode_groups",
     "make_backend",
-    "prefill_kernel_fits",
+    "prefill_kernel_takes",
     "split_by_length",
 ]

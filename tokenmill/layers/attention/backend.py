@@ -141,8 +141,7 @@ class TorchAttentionBackend:
         if not kv_written:
             _write_kv(kv_cache, meta.slot_mapping, key, value)
         n = meta.num_decodes
-        prefill_kernel = (meta.prefill_kernel_args is not None
-                          and prefill_kernel_fits(query.dtype, query.shape[-1], kv_cache))
+        prefill_kernel = prefill_kernel_takes(meta, query.dtype, query.shape[-1], kv_cache)
         if meta.decode_block_tables is not None or prefill_kernel:  # through the kernels, into `out`
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             if n:
@@ -285,9 +284,12 @@ def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
-def prefill_kernel_fits(dtype: torch.dtype, head_dim: int, kv_cache) -> bool:
-    """Whether `paged_prefill_attention` takes a step of this compute dtype, head size and
-    layer cache: bf16 queries, a bf16 or int8 cache, head size 64 or 128."""
+def prefill_kernel_takes(meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, kv_cache) -> bool:
+    """Whether this step's prefill chunks go through `paged_prefill_attention`: the backend built
+    its arguments (the CPU kernels, AVX-512 BF16), and it takes this compute dtype, head size and
+    layer cache (bf16 queries, a bf16 or int8 cache, head size 64 or 128)."""
+    if meta.prefill_kernel_args is None:
+        return False
     cache_dtype = torch.bfloat16 if len(kv_cache) == 2 else torch.int8
     return dtype == torch.bfloat16 and kv_cache[0].dtype == cache_dtype and head_dim in (64, 128)
 
