@@ -6,6 +6,7 @@ takes seconds on 2 cores, so a test session does it once.
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -21,6 +22,16 @@ if not torch.cuda.is_available():
 from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
 from tokenmill.models.registry import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """On a GPU, an engine sized from gpu_memory_utilization takes most of the device: release
+    each test's engines before the next test sizes its own (on a CPU: nothing to do)."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

@@ -58,11 +58,11 @@ def test_padded_static_buffer_decode_steps_are_token_identical(tiny_qwen2_dir):
     1, 2, 4 (padding rows: slot -1, length 0) from static buffers, tables max_model_len wide."""
     assert graph_batch_sizes(4) == [1, 2, 4]
     assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 100]
-    kw = dict(dtype="float32", num_kv_blocks=40, block_size=8, max_model_len=128)
+    kw = dict(dtype="float32", num_kv_blocks=40, block_size=8, max_model_len=128, enforce_eager=True)
     expected = generate(LLM(str(tiny_qwen2_dir), attention_backend="torch", **kw), PROMPTS[:3], MAX_TOKENS[:3])
     llm = LLM(str(tiny_qwen2_dir), attention_backend="triton", **kw)
     runner = llm.engine.core.runner
-    assert runner.decode_graphs is None  # nothing to capture on a CPU
+    assert runner.decode_graphs is None  # enforce_eager (and on a CPU nothing is captured anyway)
     runner.decode_graphs = graphs = DecodeGraphs(runner.model, runner.kv_caches, 4, 8, 128, runner.device, capture=False)
     calls = []
     run = graphs.run

@@ -103,23 +103,34 @@ def test_records_dequantize_close_to_the_weight(method):
     err = (dequantize_record(method, record) - w).abs().max().item()
     bound = {"int8": w.abs().max() / 254, "w8a8": w.abs().max() / 254, "int4": (w.max() - w.min()) / 30, "fp8": w.abs().max() / 16}[method]
     assert err <= bound + 1e-7
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _on(record: dict, device: str) -> dict:
+    return {name: t.to(device) for name, t in record.items()}
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])  # 40 > Int8Linear.max_rows: the dequantized path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_linears_compute_their_dequantized_matmul(rows, dtype):
-    w = _weight()
+@pytest.mark.parametrize("device, n", [("cpu", 96), pytest.param("cuda", 96, marks=CUDA),
+                                       pytest.param("cuda", 100, marks=CUDA)])  # 100: not tinygemm's shape
+def test_quantized_linears_compute_their_dequantized_matmul(rows, dtype, device, n):
+    w = _weight(n=n)
     bias = torch.randn(w.shape[0]) * 0.1
     x = torch.randn(rows, w.shape[1]).to(dtype)
     xb = x.to(torch.bfloat16).float()  # the kernels take bf16 activations
     with torch.inference_mode():
         codes, scales = quantize_int8(w)
         ref8 = F.linear(xb, codes.float() * scales.bfloat16().float()[:, None], bias)
-        out8 = Int8Linear(record_from_rtn("int8", w, 32), bias.to(dtype))(x)
+        out8 = Int8Linear(_on(record_from_rtn("int8", w, 32), device), bias.to(dtype).to(device))(x.to(device)).cpu()
         c4, s4, m4 = quantize_int4(w, 32)
         # the kernel keeps scale and zero (= min + 8 * scale) in bf16
         s4b = s4.bfloat16().float()
         z4b = (m4 + 8 * s4).bfloat16().float()
         ref4 = F.linear(xb, dequantize_int4(c4 - 8, s4b, z4b), bias)
-        out4 = Int4Linear(record_from_rtn("int4", w, 32), bias.to(dtype))(x)
+        layer4 = Int4Linear(_on(record_from_rtn("int4", w, 32), device), bias.to(dtype).to(device))
+        out4 = layer4(x.to(device)).cpu()
+    assert (layer4.dense_weight is not None) == (device == "cuda" and n % 8 != 0)
     assert out8.dtype == dtype and out4.dtype == dtype
     # bf16 outputs: |y| ~ 1, so a couple of bf16 ulps
     torch.testing.assert_close(out8.float(), ref8, rtol=0.02, atol=0.02)

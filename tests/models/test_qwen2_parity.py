@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
 
 LOGITS_ATOL = 1e-4  # fp32, tiny model (logits of magnitude ~1)
 
@@ -18,13 +19,14 @@ class LastLogits:
 
     def __call__(self, logits, rows):
         for i, row in enumerate(rows):
-            self.seen.append((tuple(row.prompt_token_ids) + tuple(row.output_token_ids), logits[i].clone()))
+            self.seen.append((tuple(row.prompt_token_ids) + tuple(row.output_token_ids), logits[i].cpu().clone()))
         return self.sampler(logits, rows)
 
 
 def test_tiny_qwen2_logits_and_greedy_match_hf(tiny_qwen2_dir, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+    device = EngineConfig().resolved_device()  # tokenmill's default device: HF runs there too
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).to(device).eval()
     assert hf.config.tie_word_embeddings is False
     llm = LLM(str(tiny_qwen2_dir), dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.05)
     assert llm.engine.core.runner.model.config.attention_bias
@@ -36,10 +38,10 @@ def test_tiny_qwen2_logits_and_greedy_match_hf(tiny_qwen2_dir, monkeypatch):
     worst = 0.0
     with torch.inference_mode():
         for context, logits in spy.seen:
-            ref = hf(torch.tensor([context])).logits[0, -1]
+            ref = hf(torch.tensor([context], device=device)).logits[0, -1].cpu()
             worst = max(worst, float((logits - ref).abs().max()))
         for prompt, out in zip(prompts, outs):
-            ref_tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+            ref_tokens = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=8, do_sample=False, min_new_tokens=8,
                                      pad_token_id=0)[0, len(prompt):].tolist()
             assert out.outputs[0].token_ids == ref_tokens
     assert len(spy.seen) == 3 * 8

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.cli import build_parser
 from tokenmill.config import CPU_KV_CACHE_MEMORY_GB, ConfigError, EngineConfig
+from tokenmill.layers import sampler as sampler_module
 from tokenmill.layers.sampler import SamplingRow
 from tokenmill.models.loader import load_checkpoint
 from tokenmill.sampling_params import SamplingParams
@@ -136,13 +137,21 @@ def test_cpu_sizing_is_unchanged(tiny_checkpoint):
     assert make_runner(tiny_checkpoint, num_kv_blocks=7)[0].num_blocks == 7
 
 
-def test_worst_case_step_runs_and_leaves_no_trace(tiny_checkpoint):
+def test_worst_case_step_runs_and_leaves_no_trace(tiny_checkpoint, monkeypatch):
     runner, config = make_runner(tiny_checkpoint, num_kv_blocks=4)
     twin, _ = make_runner(tiny_checkpoint, num_kv_blocks=4)
     caches = runner.kv_caches
     lens = profile_prompt_lens(40, 8, 64)
     assert lens == [33] + [1] * 7
+    # The sampler's costliest path: every row's vocab sorted in full, the penalties over output tokens.
+    sorted_rows, penalized_rows = [], []
+    threshold, penalties = sampler_module._top_k_top_p_threshold, sampler_module._apply_frequency_presence_penalties
+    monkeypatch.setattr(sampler_module, "_top_k_top_p_threshold", lambda x, values, *a: (
+        sorted_rows.append(len(values)) if values.shape[1] == x.shape[1] else None) or threshold(x, values, *a))
+    monkeypatch.setattr(sampler_module, "_apply_frequency_presence_penalties", lambda x, rows: (
+        penalized_rows.extend(len(r.output_token_ids) for r in rows)) or penalties(x, rows))
     assert runner.run_worst_case_step(config) == sum(math.ceil(n / 16) for n in lens) * runner.bytes_per_block
+    assert sorted_rows == [len(lens)] and sorted(penalized_rows) == [0] * 7 + [1]  # (a 1-token request has no output)
     assert runner.requests == {} and runner.kv_caches is caches
     assert all(t.count_nonzero() == 0 for layer in caches for t in layer)  # the real cache untouched
     # The shared generator of unseeded rows is where it was: the same draws as an unprofiled twin.
@@ -185,17 +194,23 @@ def test_cuda_sizing_path(tiny_checkpoint, monkeypatch, caplog):
         runner, config = make_runner(tiny_checkpoint, gpu_memory_utilization=0.75)
     assert fake.scratch > 0 and "reset_peak_memory_stats" in fake.calls and runner.requests == {}
     budget = int(0.75 * 1024 * MiB) - (100 + 50 + 300) * MiB
-    assert runner.num_blocks == budget // runner.bytes_per_block
+    # The torch backend (the CPU's): each block also gets room for twice its one-layer K/V
+    # gathered in the compute dtype (fp32 here).
+    arch = tiny_checkpoint.config
+    gather = 2 * 2 * 16 * arch.num_key_value_heads * arch.head_dim * 4
+    per_block = runner.bytes_per_block + gather
+    assert runner.attention_backend == "torch" and runner.num_blocks == budget // per_block
     assert len(runner.kv_caches[0][0]) == runner.num_blocks
     assert f"= {runner.num_blocks} blocks = {runner.num_blocks * 16} tokens" in caplog.text
     assert "weights 0.10 GiB, peak activations 0.05 GiB" in caplog.text
+    assert f"gathered K/V {runner.num_blocks * gather / GiB:.2f} GiB" in caplog.text
     # An explicit budget or block count wins over the profile.
     fake.scratch = 0
     assert make_runner(tiny_checkpoint, kv_cache_memory_gb=0.01)[0].num_blocks == int(0.01 * GiB) // runner.bytes_per_block
     assert make_runner(tiny_checkpoint, num_kv_blocks=3)[0].num_blocks == 3
     assert fake.scratch == 0  # no profile ran
     # Just enough, then too little, for one max_model_len (64-token = 4-block) request.
-    fake.outside = int(0.75 * 1024 * MiB) - 150 * MiB - 4 * runner.bytes_per_block
+    fake.outside = int(0.75 * 1024 * MiB) - 150 * MiB - 4 * per_block
     assert runner._blocks_for_gpu_memory(config) == 4
     fake.outside += 1
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):

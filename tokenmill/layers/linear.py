@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
-from tokenmill.quantization.formats import FP8_MAX, quantize_rows_int8, unpack_int4
+from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_rows_int8, unpack_int4
 
 
 # The most rows the few-row kernels take here and in the DecoderStack. At 4 rows int4_linear is
@@ -160,21 +160,35 @@ class Int4Linear(QuantizedLinear):
     2-3, on par at 4), from a second copy of the codes in its own layout (the weights' memory
     doubles) and (scale, min) as bf16 pairs; from INT4_GEMM_MIN_ROWS rows `kernels.int4_gemm`
     on the same copy (each panel of 32 output channels widened once to bf16 weights, then
-    vdpbf16ps over every row); in between PyTorch's kernel."""
+    vdpbf16ps over every row); in between PyTorch's kernel.
+
+    On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
+    shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
+    weight dequantized to bf16 once (correct, without int4's memory saving)."""
 
     def __init__(self, record, bias, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
         codes = unpack_int4(record["codes"])
-        if codes.device.type != "cpu":
-            raise ValueError("int4 weight-only linears run on the CPU only (CUDA: use int8)")
         scales, mins = record["scales"], record["mins"]
         self.in_features = codes.shape[1]
         self.group_size = self.in_features // scales.shape[1]
-        # The kernel computes (code - 8) * scale + zero per group, from a [groups, N, 2] table.
+        # The kernels compute (code - 8) * scale + zero per group, from a [groups, N, 2] table.
         zeros = mins + 8 * scales
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         self.kernel = None
+        self.dense_weight = None  # off the CPU without tinygemm's shape: the dequantized bf16 weight
+        if codes.device.type != "cpu":
+            inner_k_tiles = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
+            if (codes.device.type == "cuda" and inner_k_tiles is not None and codes.shape[0] % 8 == 0
+                    and self.group_size in (32, 64, 128, 256)):
+                # tinygemm's input: two codes a byte, the even-indexed one in the high nibble
+                pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+                self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+            else:
+                sz = self.scales_and_zeros.float()
+                self.dense_weight = dequantize_int4(codes - 8, sz[..., 0].t(), sz[..., 1].t()).to(torch.bfloat16)
+            return
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)):
             self.kernel = kernels
@@ -189,7 +203,11 @@ class Int4Linear(QuantizedLinear):
             return self.kernel.int4_linear(xb.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
         if self.kernel is not None and xb.shape[0] >= INT4_GEMM_MIN_ROWS:
             return self.kernel.int4_gemm(xb.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+        if xb.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+        if self.dense_weight is not None:
+            return F.linear(xb, self.dense_weight)
+        return torch.ops.aten._weight_int4pack_mm(xb.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
     def cpu_decoder_spec(self):
         kernel = (self.kernel_codes, self.kernel_pairs) if self.kernel is not None else (None, None)

@@ -48,16 +48,26 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch)
         width = -(-max_model_len // block_size)
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # The static inputs, as views of two device buffers: (ids, positions, slots) as int64
+        # rows, and lengths then tables as int32, so a step uploads them in three copies, each
+        # from a contiguous stretch of a pinned host buffer (filled through numpy, no tensor per row).
+        self._dev_long = torch.zeros((3, n), dtype=torch.long, device=device)
+        self._dev_int = torch.zeros(n + n * width, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slots = self._dev_long
+        self.slots.fill_(-1)
+        self.seq_lens = self._dev_int[:n]
+        self.block_tables = self._dev_int[n:].view(n, width)
+        pin = torch.device(device).type == "cuda"
+        self._host_long = torch.zeros(3 * n, dtype=torch.long, pin_memory=pin)
+        self._host_int = torch.zeros(n + n * width, dtype=torch.int32, pin_memory=pin)
+        self._host_long_np, self._host_int_np = self._host_long.numpy(), self._host_int.numpy()
+        self._uploaded = torch.cuda.Event() if pin else None  # the last step's copies have read the host buffers
         self._empty = torch.zeros((0, width), dtype=torch.int32, device=device)
         self._zero = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        self.pool_bytes = 0
         if capture:
             self._capture()
 
@@ -84,18 +94,25 @@ class DecodeGraphs:
         reuse the same memory). Static buffers hold padding (slot -1, length 0) while capturing,
         so the warm-up runs write nothing to the cache."""
         t0 = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(self.device)
         pool = None
         for size in reversed(self.sizes):
             self._forward(size)  # warm-up: Triton compiles, allocator settles
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA calls of other threads (the server's) during the capture do not
+            # invalidate it (the engine captures on its own thread when serving).
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured CUDA graphs of decode steps at batch sizes %s in %.1fs", self.sizes, self.capture_seconds)
+        # Not in the start-up memory profile (the graphs need the real KV cache): the pool is the
+        # activations of one decode step of the largest size, held from here on.
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        logger.info("captured CUDA graphs of decode steps at batch sizes %s in %.1fs (memory pool %.0f MiB)",
+                    self.sizes, self.capture_seconds, self.pool_bytes / 2**20)
 
     def fits(self, num_decodes: int) -> bool:
         return num_decodes <= self.sizes[-1]
@@ -105,16 +122,26 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of a decode-only step of n <= max_batch requests."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
-        width = self.block_tables.shape[1]
-        tables = torch.zeros((size, width), dtype=torch.int32)
+        total = self.sizes[-1]
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # (the step's sampling has synced already: returns at once)
+        host, host_int = self._host_long_np[: 3 * size].reshape(3, size), self._host_int_np
+        host[0, :n], host[1, :n], host[2, :n] = input_ids, positions, layout.slots
+        host[:2, n:], host[2, n:] = 0, -1  # padding rows: token 0 at 0, no cache slot
+        host_int[:n] = layout.decode_seq_lens
+        host_int[n:size] = 0
+        # Table columns up to the longest table: the kernels read no block past a row's length,
+        # so a shorter row's stale tail is never used.
+        cols = max(len(t) for t in layout.decode_tables)
+        tables = host_int[total : total + size * cols].reshape(size, cols)
         for i, table in enumerate(layout.decode_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        pad = size - n
-        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slots[:size].copy_(torch.tensor(layout.slots + [-1] * pad), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(layout.decode_seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
+            tables[i, : len(table)] = table
+        self._dev_long[:, :size].copy_(self._host_long[: 3 * size].view(3, size), non_blocking=True)
+        self.seq_lens[:size].copy_(self._host_int[:size], non_blocking=True)
+        self.block_tables[:size, :cols].copy_(self._host_int[total : total + size * cols].view(size, cols),
+                                              non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

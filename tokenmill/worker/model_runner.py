@@ -218,17 +218,25 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(dev)
         profile = MemoryProfile(total=total, free=free, torch_allocated=torch.cuda.memory_allocated(dev),
                                 torch_reserved=torch.cuda.memory_reserved(dev), peak_activation=peak)
+        # The PyTorch backend's attention gathers, one layer at a time, the K/V of the blocks it
+        # reads into the compute dtype (decodes: every decoding sequence's, padded per length
+        # group): each block of the cache is given room for twice its one-layer gathered copy.
+        arch = self.model.config
+        gather = 2 * 2 * self.block_size * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize \
+            if self.attention_backend == "torch" else 0
+        per_block = self.bytes_per_block + gather
         blocks_per_request = -(-self.max_model_len // self.block_size)
-        budget = kv_cache_budget_bytes(profile, config.gpu_memory_utilization, blocks_per_request * self.bytes_per_block)
-        num_blocks = budget // self.bytes_per_block
+        budget = kv_cache_budget_bytes(profile, config.gpu_memory_utilization, blocks_per_request * per_block)
+        num_blocks = budget // per_block
         logger.info(
             "GPU memory: %.2f GiB x gpu_memory_utilization %g = %.2f GiB: weights %.2f GiB, peak activations "
             "%.2f GiB (profiled step of %d tokens), outside torch %.2f GiB (CUDA context, other processes), "
-            "KV cache %.2f GiB = %d blocks = %d tokens in flight at most (%.1f requests of max_model_len %d)",
+            "%sKV cache %.2f GiB = %d blocks = %d tokens in flight at most (%.1f requests of max_model_len %d)",
             total / GiB, config.gpu_memory_utilization, config.gpu_memory_utilization * total / GiB,
             profile.torch_allocated / GiB, peak / GiB,
             sum(profile_prompt_lens(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)),
             profile.non_torch / GiB,
+            f"the torch attention backend's gathered K/V {num_blocks * gather / GiB:.2f} GiB, " if gather else "",
             num_blocks * self.bytes_per_block / GiB, num_blocks, num_blocks * self.block_size,
             num_blocks / blocks_per_request, self.max_model_len,
         )
@@ -240,23 +248,28 @@ class ModelRunner:
         KV cache of just its blocks, and return that cache's bytes.
 
         The step (`memory.profile_prompt_lens`): the whole max_num_batched_tokens as prompts of
-        as many requests as may run (max_num_seqs), the first as long as max_model_len allows;
-        every request is sampled with top-k/p, min-p, penalties and 20 logprobs, so the sampler's
-        fp32 [rows, vocab] tensors are as large as they get; with speculation the runner also
-        proposes drafts (the draft model runs over every token). Not covered: a prefill chunk
-        over a long cached context and decodes over long contexts (their attention reads the
-        cache; how much it holds on the side is the attention backend's).
+        as many requests as may run (max_num_seqs), the first as long as max_model_len allows.
+        Every request is sampled along the sampler's costliest path, so its fp32 [rows, vocab]
+        tensors are as large as they get: top-p alone and so close to 1 that no row is settled
+        by its top candidates (each is sorted in full), min-p, repetition / frequency / presence
+        penalties over an output token (each request is a resumed one whose last token is
+        output), 20 logprobs and prompt logprobs. With speculation the runner also proposes
+        drafts (the draft model runs over every token). Not covered: a prefill chunk over a long
+        cached context and decodes over long contexts (their attention reads the cache; what
+        the PyTorch backend gathers on the side is reserved by `_blocks_for_gpu_memory`).
 
         Runs only on an idle runner and leaves no trace: no request state, the caches as they
         were, and the sampler's shared generator untouched (the rows are seeded)."""
         assert not self.requests, "the profiling step runs before any request"
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                                frequency_penalty=0.1, logprobs=20, seed=0, max_tokens=1)
+        params = SamplingParams(temperature=1.0, top_p=1 - 1e-6, min_p=0.01, repetition_penalty=1.1,
+                                frequency_penalty=0.1, presence_penalty=0.1, logprobs=20, prompt_logprobs=True,
+                                seed=0, max_tokens=1)
         new_reqs = []
         num_blocks = 0
         for i, n in enumerate(profile_prompt_lens(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)):
             blocks = list(range(num_blocks, num_blocks + -(-n // self.block_size)))
-            new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, n, params, [], blocks, 0))
+            num_prompt = max(1, n - 1)  # the last token, if there are two, is output
+            new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, num_prompt, params, [], blocks, 0))
             num_blocks += len(blocks)
         saved = self.kv_caches, self.draft_kv_caches
         self.kv_caches = self._make_caches(self.model.config, num_blocks, self.device)

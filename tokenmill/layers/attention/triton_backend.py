@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.layers.attention.backend import BatchLayout
-from tokenmill.layers.attention.triton_kernels import paged_decode, paged_prefill, write_kv
+from tokenmill.layers.attention.triton_kernels import MAX_DECODE_SPLITS, paged_decode, paged_prefill, write_kv
 
 # Split-K decode: enough programs to fill the GPU (ideally ~2 per SM), but never splits shorter
-# than MIN_SPLIT_TOKENS keys (each split is a partial output to write and combine).
-MAX_DECODE_SPLITS = 16
+# than MIN_SPLIT_TOKENS keys (each split is a partial output to write and combine), and at most
+# MAX_DECODE_SPLITS.
 MIN_SPLIT_TOKENS = 128
 
 

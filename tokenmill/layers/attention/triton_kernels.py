@@ -43,6 +43,7 @@ def _pow2(n: int, minimum: int = 16) -> int:
 
 
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+MAX_DECODE_SPLITS = 16  # the most splits of one decode's keys (the combine kernel's padded width)
 
 
 @triton.jit
@@ -77,11 +78,14 @@ def _write_kv_kernel(
     if QUANT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        k_scale = tl.max(tl.abs(k), axis=1) / QMAX  # [HEADS_PAD]
-        v_scale = tl.max(tl.abs(v), axis=1) / QMAX
+        # Divisions rounded to nearest (div_rn), as torch's are: compiled for a GPU, `/` on
+        # float32 is an approximate division (up to 2 ulp), which would give other scales and
+        # codes than kv_quant.quantize_kv.
+        k_scale = tl.div_rn(tl.max(tl.abs(k), axis=1), QMAX)  # [HEADS_PAD]
+        v_scale = tl.div_rn(tl.max(tl.abs(v), axis=1), QMAX)
         # An all-zero vector has scale 0: divide by the smallest normal instead (codes 0).
-        k = k / tl.maximum(k_scale, 1.1754943508222875e-38)[:, None]
-        v = v / tl.maximum(v_scale, 1.1754943508222875e-38)[:, None]
+        k = tl.div_rn(k, tl.maximum(k_scale, 1.1754943508222875e-38)[:, None])
+        v = tl.div_rn(v, tl.maximum(v_scale, 1.1754943508222875e-38)[:, None])
         if ROUND:  # int8: to nearest, ties to even (as torch.round); exact for |x| < 2**22
             k = (k + 12582912.0) - 12582912.0
             v = (v + 12582912.0) - 12582912.0
@@ -129,12 +133,15 @@ def _attend_tile(q, m, l, acc, pos, nmask, visible, table_ptr, k_cache_ptr, v_ca
     return m_new, l, acc
 
 
-@triton.jit
+# The split count is a runtime argument, not specialized on: a step's count follows its batch
+# and longest sequence, and a constexpr would compile a variant of each kernel per count while
+# serving (a pause of a second or more at each new one).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
-    stride_qt, stride_qh, stride_table, qk_scale,
+    stride_qt, stride_qh, stride_table, qk_scale, num_splits,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr,
     TILE_N: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (seq, kv_head, split): the GROUP query heads of kv_head against the split's
@@ -143,7 +150,7 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -166,16 +173,16 @@ def _decode_split_kernel(
                                  k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh, dims, dmask, qk_scale,
                                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, QUANT, PRECISION)
     # Partials: acc [seq, head, split, HEAD_DIM], (m, l) [seq, head, split, 2]
-    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+    part = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=rmask[:, None] & dmask[None, :])
     tl.store(ml_ptr + part * 2, m, mask=rmask)
     tl.store(ml_ptr + part * 2 + 1, l, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
-    acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
     """Program (seq, head): the splits' partial outputs rescaled to their common max and summed.
@@ -184,9 +191,9 @@ def _decode_combine_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, D_PAD)
-    smask = splits < NUM_SPLITS
+    smask = splits < num_splits
     dmask = dims < HEAD_DIM
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    part = (seq * NUM_HEADS + head) * num_splits + splits
     m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
     l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -293,14 +300,14 @@ def paged_decode(
     ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, acc, ml,
-        query.stride(0), query.stride(1), block_tables.stride(0), scale * _LOG2E,
+        query.stride(0), query.stride(1), block_tables.stride(0), scale * _LOG2E, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, GROUP_PAD=_pow2(group), D_PAD=_pow2(head_dim), TILE_N=tile_n,
+        GROUP_PAD=_pow2(group), D_PAD=_pow2(head_dim), TILE_N=tile_n,
         QUANT=quant, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
     )
     _decode_combine_kernel[(num_seqs, num_heads)](
-        acc, ml, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=_pow2(num_splits, 1),
+        acc, ml, out, out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=_pow2(max(num_splits, MAX_DECODE_SPLITS), 1),
         D_PAD=_pow2(head_dim, 1),
     )
 
