@@ -80,6 +80,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.attention_backend = config.resolved_attention_backend(self.device.type)
+        if (self.device.type == "cuda" and self.attention_backend == "triton" and config.kv_cache_dtype == "fp8"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ConfigError("kv_cache_dtype", "fp8 with the triton attention backend needs a GPU of compute "
+                              "capability 8.9+ (Ada, Hopper; Triton has no e4m3 type below); use int8, or "
+                              "--attention-backend torch")
         # tokenmill's compiled CPU kernels (norms, RoPE + KV store, decode and prefill attention of
         # the torch backend), or None: not on the CPU, turned off, an fp8 KV cache (the decode kernel reads
         # the compute dtype or int8 codes), or they could not be built.
