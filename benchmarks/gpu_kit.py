@@ -17,7 +17,7 @@ Upload the pieces one at a time into one folder there (`cp PIECE/* /tmp/kit/`), 
     export PYTHONPATH=/tmp/kit/site:$PWD
 
 `assemble` joins the chunks of every file whose chunks are all there, checks each sha256, installs
-the wheels into `/tmp/kit/site` (`pip install --no-index --no-deps --target`), copies the GPL-3
+the wheels into `/tmp/kit/site` once each (`pip install --no-index --no-deps --target`), copies the GPL-3
 text to where the benchmarks and tests read it when the machine lacks it, and prints what is
 missing. The Qwen GGUF ends up at `/tmp/kit/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf`.
 """
@@ -120,7 +120,7 @@ def pack(args: argparse.Namespace) -> None:
     room = piece_bytes
     for path in files:
         size, offset, chunks = path.stat().st_size, 0, []
-        while offset < size or size == 0:
+        while True:  # at least one chunk, so an empty file is listed too
             if room == 0:
                 pieces.append([])
                 room = piece_bytes
@@ -130,7 +130,7 @@ def pack(args: argparse.Namespace) -> None:
             chunks.append(name)
             offset += n
             room -= n
-            if size == 0:
+            if offset == size:
                 break
         manifest[path.name] = {"sha256": sha256(path), "size": size, "chunks": chunks,
                                "wheel": path.suffix == ".whl"}
@@ -171,10 +171,15 @@ def assemble(args: argparse.Namespace) -> None:
         for chunk in chunks:
             chunk.unlink()
         print(f"{target}: {entry['size'] / MIB:.1f} MiB, sha256 ok")
-    wheels = [kit / name for name, entry in manifest.items() if entry["wheel"] and (kit / name).exists()]
+    # Wheels not installed by an earlier call (a marker file each), so that the calls that only
+    # bring model chunks install nothing.
+    wheels = [kit / name for name, entry in manifest.items()
+              if entry["wheel"] and (kit / name).exists() and not (kit / f"{name}.installed").exists()]
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--upgrade", "--target", str(kit / "site"), *map(str, wheels)], check=True)
+        for wheel in wheels:
+            wheel.with_name(f"{wheel.name}.installed").touch()
         print(f"installed {len(wheels)} wheels into {kit / 'site'}")
     text = kit / TEXT_FILE.name
     if not TEXT_FILE.exists() and text.exists():

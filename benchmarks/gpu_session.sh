@@ -23,7 +23,8 @@ while [ $# -gt 0 ]; do
     stage=$1; shift
     case $stage in
     piece)
-        cp ".gpukit/p$1/"* "$KIT/" && shift
+        piece=$1; shift
+        cp ".gpukit/p$piece/"* "$KIT/" || exit 1
         $PY benchmarks/gpu_kit.py assemble "$KIT" 2>&1 | tee -a "$OUT/kit.log"
         ;;
     decode)

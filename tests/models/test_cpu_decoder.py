@@ -80,9 +80,14 @@ def assert_stack_matches_python(runner, seq_lens: list[int], prefill: list[tuple
     assert not all(torch.equal(x, y) for x, y in zip(stack_caches[0], caches[0]))
 
 
+def cpu_llm(model: str, **kwargs) -> LLM:
+    """An engine on the CPU (the DecoderStack's only device), whatever device the machine has."""
+    return LLM(model, device="cpu", **kwargs)
+
+
 @pytest.fixture(scope="module")
 def bf16_llm():
-    return LLM("smollm2-135m", dtype="bfloat16", device="cpu")
+    return cpu_llm("smollm2-135m", dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -115,18 +120,18 @@ def test_bf16_steps_with_prefill_chunks(bf16_runner, seq_lens, prefill):
     ({"kv_cache_dtype": "int8"}, [9, 130]),
 ])
 def test_quantized_linears_and_kv_cache(options, seq_lens):
-    runner = LLM("smollm2-135m", dtype="bfloat16", device="cpu", **options).engine.core.runner
+    runner = cpu_llm("smollm2-135m", dtype="bfloat16", **options).engine.core.runner
     assert_stack_matches_python(runner, seq_lens)
     if len(seq_lens) <= 3:  # and a step with prefill chunks (many rows: the gemm kernels)
         assert_stack_matches_python(runner, *PREFILL_STEPS[1])
 
 
 def test_qwen2_biases_fp32_and_int4_input_scales(tiny_qwen2_dir):
-    runner = LLM(str(tiny_qwen2_dir), dtype="float32", device="cpu").engine.core.runner
+    runner = cpu_llm(str(tiny_qwen2_dir), dtype="float32").engine.core.runner
     assert runner.model.layers[0].self_attn.qkv_proj.bias is not None
     assert_stack_matches_python(runner, [2, 19, 50])
 
-    runner = LLM(str(tiny_qwen2_dir), dtype="bfloat16", quantization="int4", device="cpu").engine.core.runner
+    runner = cpu_llm(str(tiny_qwen2_dir), dtype="bfloat16", quantization="int4").engine.core.runner
     model = runner.model
     gen = torch.Generator().manual_seed(1)
     for layer in model.layers:  # as AWQ leaves them: x * input_scale before the matmul
@@ -149,7 +154,7 @@ def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):
 
 
 def test_fp32_prefills_run_the_python_layers(monkeypatch):
-    llm = LLM("smollm2-135m", dtype="float32", device="cpu")
+    llm = cpu_llm("smollm2-135m", dtype="float32")
     model = llm.engine.core.runner.model
     spy = CountingStack(model.cpu_decoder)
     monkeypatch.setattr(model, "cpu_decoder", spy)
@@ -158,5 +163,5 @@ def test_fp32_prefills_run_the_python_layers(monkeypatch):
 
 
 def test_not_built_without_kernels_or_for_w8a8():
-    assert LLM("smollm2-135m", dtype="bfloat16", quantization="w8a8", device="cpu").engine.core.runner.model.cpu_decoder is None
-    assert LLM("smollm2-135m", dtype="bfloat16", cpu_kernels=False, device="cpu").engine.core.runner.model.cpu_decoder is None
+    assert cpu_llm("smollm2-135m", dtype="bfloat16", quantization="w8a8").engine.core.runner.model.cpu_decoder is None
+    assert cpu_llm("smollm2-135m", dtype="bfloat16", cpu_kernels=False).engine.core.runner.model.cpu_decoder is None

@@ -146,10 +146,18 @@ def test_worst_case_step_runs_and_leaves_no_trace(tiny_checkpoint, monkeypatch):
     # The sampler's costliest path: every row's vocab sorted in full, the penalties over output tokens.
     sorted_rows, penalized_rows = [], []
     threshold, penalties = sampler_module._top_k_top_p_threshold, sampler_module._apply_frequency_presence_penalties
-    monkeypatch.setattr(sampler_module, "_top_k_top_p_threshold", lambda x, values, *a: (
-        sorted_rows.append(len(values)) if values.shape[1] == x.shape[1] else None) or threshold(x, values, *a))
-    monkeypatch.setattr(sampler_module, "_apply_frequency_presence_penalties", lambda x, rows: (
-        penalized_rows.extend(len(r.output_token_ids) for r in rows)) or penalties(x, rows))
+
+    def recording_threshold(x, values, *args):
+        if values.shape[1] == x.shape[1]:  # the whole vocab, sorted
+            sorted_rows.append(len(values))
+        return threshold(x, values, *args)
+
+    def recording_penalties(x, rows):
+        penalized_rows.extend(len(r.output_token_ids) for r in rows)
+        return penalties(x, rows)
+
+    monkeypatch.setattr(sampler_module, "_top_k_top_p_threshold", recording_threshold)
+    monkeypatch.setattr(sampler_module, "_apply_frequency_presence_penalties", recording_penalties)
     assert runner.run_worst_case_step(config) == sum(math.ceil(n / 16) for n in lens) * runner.bytes_per_block
     assert sorted_rows == [len(lens)] and sorted(penalized_rows) == [0] * 7 + [1]  # (a 1-token request has no output)
     assert runner.requests == {} and runner.kv_caches is caches
