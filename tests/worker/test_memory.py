@@ -223,3 +223,18 @@ def test_cuda_sizing_path(tiny_checkpoint, monkeypatch, caplog):
     fake.outside += 1
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         make_runner(tiny_checkpoint, gpu_memory_utilization=0.75)
+
+
+def test_cuda_sizing_reserves_the_larger_gather_of_target_and_draft(tiny_checkpoint, default_model_path, monkeypatch):
+    """With a draft model, the torch backend's one-layer gather is the larger of the two models'
+    (they run one after the other): here the draft (the default model, 3 KV heads of 64) has the
+    larger layers than the tiny target (2 heads of 16)."""
+    FakeCudaMemory(monkeypatch, total=1024 * MiB, weights=100 * MiB, activations=50 * MiB, outside=300 * MiB)
+    runner, _ = make_runner(tiny_checkpoint, gpu_memory_utilization=0.75, speculative_method="draft",
+                            draft_model=str(default_model_path), num_speculative_tokens=2)
+    draft = runner.draft_model.config
+    target = tiny_checkpoint.config
+    assert draft.num_key_value_heads * draft.head_dim > target.num_key_value_heads * target.head_dim
+    gather = 2 * 2 * 16 * draft.num_key_value_heads * draft.head_dim * 4
+    budget = int(0.75 * 1024 * MiB) - (100 + 50 + 300) * MiB
+    assert runner.num_blocks == budget // (runner.bytes_per_block + gather)

@@ -225,10 +225,12 @@ class ModelRunner:
                                 torch_reserved=torch.cuda.memory_reserved(dev), peak_activation=peak)
         # The PyTorch backend's attention gathers, one layer at a time, the K/V of the blocks it
         # reads into the compute dtype (decodes: every decoding sequence's, padded per length
-        # group): each block of the cache is given room for twice its one-layer gathered copy.
-        arch = self.model.config
-        gather = 2 * 2 * self.block_size * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize \
-            if self.attention_backend == "torch" else 0
+        # group): each block of the cache is given room for twice its one-layer gathered copy, in
+        # the larger layer of the target and draft models (they run one after the other).
+        gather = 0
+        if self.attention_backend == "torch":
+            gather = max(2 * 2 * self.block_size * m.config.num_key_value_heads * m.config.head_dim * self.dtype.itemsize
+                         for m in (self.model, self.draft_model) if m is not None)
         per_block = self.bytes_per_block + gather
         blocks_per_request = -(-self.max_model_len // self.block_size)
         budget = kv_cache_budget_bytes(profile, config.gpu_memory_utilization, blocks_per_request * per_block)

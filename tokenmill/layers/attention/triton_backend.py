@@ -54,7 +54,9 @@ class TritonAttentionBackend:
 
     def __init__(self, num_sms: int | None = None):
         if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+            # The device the engine runs on is CUDA's current one (`--device cuda`).
+            num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                       if torch.cuda.is_available() else 4)
         self.num_sms = num_sms
 
     def build_metadata(self, layout: BatchLayout, device) -> PagedAttentionMetadata:
