@@ -102,10 +102,9 @@ class ModelRunner:
         if config.speculative_method == "draft":
             self.draft_model = self._load_draft(config, checkpoint, max_model_len)
         self.load_seconds = time.perf_counter() - t0
-        models = [m for m in (self.model, self.draft_model) if m is not None]
         # Decode-only steps run the decoder layers in one compiled call where every linear has a
         # compiled form (models/llama.py: enable_cpu_decoder).
-        for m in models:
+        for m in self.models:
             if self.cpu_kernels is not None and getattr(m.attn_backend, "kernels", None) is self.cpu_kernels:
                 m.enable_cpu_decoder(self.cpu_kernels)
         self.sampler = Sampler(seed=config.seed)
@@ -127,7 +126,7 @@ class ModelRunner:
             config.num_host_kv_blocks if config.num_host_kv_blocks is not None
             else self._blocks_for_budget(config.swap_space_gb) if config.swap_space_gb > 0 else 0
         )
-        host = [self._make_caches(m.config, self.num_host_blocks, "cpu") for m in models] if self.num_host_blocks else [[]]
+        host = [self._make_caches(m.config, self.num_host_blocks, "cpu") for m in self.models] if self.num_host_blocks else [[]]
         self.host_kv_caches = [layer for caches in host for layer in caches]
         # Decode-only steps replayed from CUDA graphs (worker/cuda_graphs.py): CUDA, the Triton
         # backend, no draft model (whose forward in execute_model reuses the eager step's inputs).
@@ -180,13 +179,18 @@ class ModelRunner:
             for _ in range(arch.num_hidden_layers)
         ]
 
+    @property
+    def models(self) -> list:
+        """The target model, then the draft model when there is one."""
+        return [self.model] if self.draft_model is None else [self.model, self.draft_model]
+
     def kv_bytes_per_token(self) -> int:
         """Both models' K and V for one token (the draft model's too, when there is one), with
         the scales of a quantized cache (one float32 per KV head)."""
         scale_bytes = 4 if self.kv_quantized else 0
         return sum(
             2 * c.num_hidden_layers * c.num_key_value_heads * (c.head_dim * self.kv_code_dtype.itemsize + scale_bytes)
-            for c in (m.config for m in (self.model, self.draft_model) if m is not None)
+            for c in (m.config for m in self.models)
         )
 
     @property
@@ -230,7 +234,7 @@ class ModelRunner:
         gather = 0
         if self.attention_backend == "torch":
             gather = max(2 * 2 * self.block_size * m.config.num_key_value_heads * m.config.head_dim * self.dtype.itemsize
-                         for m in (self.model, self.draft_model) if m is not None)
+                         for m in self.models)
         per_block = self.bytes_per_block + gather
         blocks_per_request = -(-self.max_model_len // self.block_size)
         budget = kv_cache_budget_bytes(profile, config.gpu_memory_utilization, blocks_per_request * per_block)
