@@ -13,6 +13,7 @@ from tokenmill.config import (
     EngineConfig,
 )
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
+from tokenmill.layers.cpu_isa import ISA_LEVELS
 from tokenmill.quantization.cli import add_calibration_args, add_quantize_parser
 
 _DEFAULTS = EngineConfig()
@@ -38,6 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "attention, RMSNorm, RoPE + KV store, few-row and quantized matmuls, and the decoder "
                              "layers of a step in one compiled call; built with g++ at first use and cached, ~30 s "
                              "once; default: used when they build, except with --kv-cache-dtype fp8)")
+    parser.add_argument("--cpu-isa", choices=("auto", *ISA_LEVELS), default=d.cpu_isa,
+                        help="CPU: the instruction-set level of the compiled kernels: generic, avx2 (x86-64-v3: int8 "
+                             "activations times int8/int4 weights), avx512 (x86-64-v4), avx512_bf16 (bf16 dot products); "
+                             "a lower level than the host's runs that level's code. auto = the host's, capped by the "
+                             "TOKENMILL_CPU_ISA environment variable (default: auto)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
                         help="quantize the linear layers on load: int8 (weight-only, per output channel), int4 "
                              "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from tokenmill.layers.cpu_isa import ISA_LEVELS, host_isa, native_bf16
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -51,6 +52,11 @@ class EngineConfig:
     # they cannot be built (no compiler), PyTorch ops with a warning. False: PyTorch ops only.
     # Not used with an fp8 KV cache (its decode stays on the PyTorch path) nor on CUDA.
     cpu_kernels: bool = True
+    # CPU: the instruction-set level the kernels are built for and dtype "auto" is chosen by
+    # (layers/cpu_isa.py): "generic", "avx2", "avx512", "avx512_bf16", or "auto", the host's
+    # (capped by the TOKENMILL_CPU_ISA environment variable when set). A level above the
+    # host's is an error, a lower one runs that level's code (to measure it on a bigger CPU).
+    cpu_isa: str = "auto"
     # Quantization of the linear layers on load: None (the dtype's weights), "int8" (weight-only,
     # per output channel), "int4" (weight-only, asymmetric, groups of quantization_group_size
     # input channels), "w8a8" (int8 weights and per-token int8 activations, int8 matmul) or
@@ -122,6 +128,8 @@ class EngineConfig:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ConfigError("device", f"must be one of {DEVICES}, got {self.device!r}")
+        if self.cpu_isa != "auto" and self.cpu_isa not in ISA_LEVELS:
+            raise ConfigError("cpu_isa", f"must be 'auto' or one of {ISA_LEVELS}, got {self.cpu_isa!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -187,10 +195,24 @@ class EngineConfig:
         if self.dtype == "auto":
             if device == "cuda":
                 return "bfloat16"
-            return "bfloat16" if cpu_has_native_bf16() else "float32"
+            return "bfloat16" if native_bf16(self.resolved_cpu_isa()) else "float32"
         if device == "cpu" and self.dtype == "float16":
             raise ConfigError("dtype", "float16 is not supported on CPU; use bfloat16 or float32")
         return self.dtype
+
+    def resolved_cpu_isa(self) -> str:
+        """The CPU kernels' instruction-set level: the one given (checked to run here), else the
+        host's (TOKENMILL_CPU_ISA caps it for the whole process)."""
+        try:
+            host = host_isa()
+        except ValueError as e:
+            raise ConfigError("cpu_isa", str(e)) from None
+        if self.cpu_isa == "auto":
+            return host
+        if ISA_LEVELS.index(self.cpu_isa) > ISA_LEVELS.index(host):
+            raise ConfigError("cpu_isa", f"{self.cpu_isa} is above this host's level {host} "
+                              f"(levels, lowest first: {', '.join(ISA_LEVELS)})")
+        return self.cpu_isa
 
     def resolved_attention_backend(self, device: str) -> str:
         """The backend to build: "auto" resolved for `device`; "triton" checked to be runnable."""
@@ -235,15 +257,8 @@ def _check_min(field: str, value: int, minimum: int) -> None:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AVX-512 BF16 or AMX), read from /proc/cpuinfo."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return False
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    """True when this process's CPU level computes bf16 natively (AVX-512 BF16)."""
+    return native_bf16(host_isa())
 
 
 def num_physical_cores() -> int:

@@ -327,31 +327,63 @@ def random_int4(out_features: int, in_features: int, group_size: int, g: torch.G
     return codes, record, scales, mins
 
 
-@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int4_linear needs AVX-512 BF16")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
-def test_int4_linear_matches_the_dequantized_weight(rows, out_features, in_features, group_size):
-    from tokenmill.layers.linear import KERNEL_MAX_ROWS, Int4Linear
+# The matmul kernels at every level this CPU executes (an AVX-512 machine checks the AVX2 code too).
+MATMUL_LEVELS = [isa for isa in cpu_kernels.loadable_levels() if isa != "generic"]
 
+
+@pytest.fixture(params=MATMUL_LEVELS)
+def level(request):
+    """The kernels module of one instruction-set level."""
+    module = cpu_kernels.load(request.param)
+    if module is None:
+        pytest.skip(f"CPU kernels ({request.param}) not built here: {cpu_kernels.build_error(request.param)}")
+    return module
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 as the AVX2 few-row kernels see it: int8 codes per block of 32 (round(x * 127
+    / absmax)), times the block's scale absmax / 127."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.round(blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (codes * (amax / 127)).view_as(x)
+
+
+def activations(level, rows: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """x in the dtype the level computes in (bf16 with native bf16, fp32 below)."""
+    x = torch.randn(rows, in_features, generator=g)
+    return x.bfloat16() if level.native_bf16() else x
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
+def test_int4_linear_matches_the_dequantized_weight(level, rows, out_features, in_features, group_size):
+    from tokenmill.layers.linear import Int4Linear, kernel_rows
+
+    if level.native_bf16() and rows > 4:
+        pytest.skip("the avx512_bf16 few-row kernel takes 1-4 rows")
     g = torch.Generator().manual_seed(rows)
     codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
-    layer = Int4Linear(record, None, kernels)
-    assert layer.kernel is kernels
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
-    expected = x.float() @ (codes * scales + mins).t()
-    got = kernels.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, group_size)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    # fp32 sums, rounded once to bf16 at the end
-    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
-    if rows <= KERNEL_MAX_ROWS:  # the layer takes this path, and PyTorch's kernel agrees closely
+    layer = Int4Linear(record, None, level)
+    assert layer.kernel is level
+    x = activations(level, rows, in_features, g)
+    got = level.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, group_size)
+    assert got.dtype == x.dtype and got.shape == (rows, out_features)
+    if level.native_bf16():  # exact products, fp32 sums, rounded once to bf16 at the end
+        torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=1e-3, rtol=2**-8)
+    else:  # x in int8 per block of 32 against q * scale, exact fp32 block sums against the mins
+        expected = int8_blocks(x) @ (codes * scales).t() + x @ mins.t()
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-4)
+    if rows <= kernel_rows(level)[0]:  # the layer takes this path
         assert torch.equal(layer(x), got)
-    aten = Int4Linear(record, None)(x)
-    torch.testing.assert_close(aten.float(), expected, atol=6e-2, rtol=2e-2)  # it rounds min + 8 * scale to bf16
-    with pytest.raises(RuntimeError, match="M <= 4"):
-        kernels.int4_linear(torch.randn(5, in_features).bfloat16(), layer.kernel_codes, layer.kernel_pairs, group_size)
+    # within the int8 activations' error of the exact product
+    torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)
+    if level.native_bf16():
+        with pytest.raises(RuntimeError, match="M <= 4"):
+            level.int4_linear(torch.randn(5, in_features).bfloat16(), layer.kernel_codes, layer.kernel_pairs, group_size)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="bf16_linear needs AVX-512 BF16")
+@pytest.mark.skipif(kernels is None or not kernels.native_bf16(), reason="bf16_linear needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(960, 576, False), (37, 96, True)])
 def test_bf16_linear_matches_an_fp32_matmul(rows, out_features, in_features, with_bias):
@@ -372,30 +404,37 @@ def test_bf16_linear_matches_an_fp32_matmul(rows, out_features, in_features, wit
     torch.testing.assert_close(DenseLinear(w, bias)(x).float(), expected, atol=2e-2, rtol=2e-2)  # oneDNN's
 
 
-@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int8_linear needs AVX-512 BF16")
-@pytest.mark.parametrize("rows", [1, 3, 4])
-def test_int8_linear_matches_the_dequantized_weight(rows):
-    from tokenmill.layers.linear import KERNEL_MAX_ROWS, Int8Linear
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_int8_linear_matches_the_dequantized_weight(level, rows):
+    from tokenmill.layers.linear import Int8Linear, kernel_rows
     from tokenmill.quantization.formats import quantize_int8
 
+    if level.native_bf16() and rows > 4:
+        pytest.skip("the avx512_bf16 few-row kernel takes 1-4 rows")
     g = torch.Generator().manual_seed(rows)
     codes, scales = quantize_int8(torch.randn(200, 576, generator=g))
-    x = torch.randn(rows, 576, generator=g).bfloat16()
-    layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=kernels)
-    assert layer.kernel is kernels
-    expected = (x.float() @ codes.float().t()) * layer.scales.float()
-    got = kernels.int8_linear(x, layer.codes, layer.scales)
-    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
-    if rows <= KERNEL_MAX_ROWS:
+    codes[0, :40] = -128  # the code range's end (|code| 128 as vpmaddubsw's unsigned operand)
+    x = activations(level, rows, 576, g)
+    layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=level)
+    assert layer.kernel is level
+    exact = (x.float() @ codes.float().t()) * layer.scales.float()
+    got = level.int8_linear(x, layer.codes, layer.scales)
+    assert got.dtype == x.dtype and got.shape == (rows, 200)
+    if level.native_bf16():
+        torch.testing.assert_close(got.float(), exact, atol=1e-3, rtol=2**-8)
+    else:
+        expected = (int8_blocks(x) @ codes.float().t()) * layer.scales.float()
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-4)
+        torch.testing.assert_close(got, exact, atol=1.0, rtol=0)  # int8 activations: error std ~0.2, |y| ~ 25
+    if rows <= kernel_rows(level)[0]:
         assert torch.equal(layer(x), got)
-    torch.testing.assert_close(Int8Linear({"codes": codes, "scales": scales}, None)(x).float(), expected,
-                               atol=3e-2, rtol=2e-2)  # PyTorch's _weight_int8pack_mm
+    torch.testing.assert_close(Int8Linear({"codes": codes, "scales": scales}, None)(x).float(), exact,
+                               atol=0.3, rtol=2e-2)  # PyTorch's _weight_int8pack_mm (bf16)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int8_gemm needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 7, 17, 64, 100])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(200, 576, False), (37, 48, True), (64, 1536, False)])
-def test_int8_gemm_matches_the_dequantized_weight(rows, out_features, in_features, with_bias):
+def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, with_bias):
     """The many-row int8 kernel: row blocks of 8 and a remainder, a last panel of fewer than 32
     output channels (37, 200), K a multiple of 16 but not of 32 (48); exact products, fp32 sums,
     one rounding. Int8Linear takes it above its max_rows."""
@@ -405,37 +444,39 @@ def test_int8_gemm_matches_the_dequantized_weight(rows, out_features, in_feature
     g = torch.Generator().manual_seed(rows)
     codes, scales = quantize_int8(torch.randn(out_features, in_features, generator=g))
     codes[0, :16] = -128  # the code range's end, exact in bf16 too
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
-    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
-    layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=kernels)
+    x = activations(level, rows, in_features, g)
+    bias = torch.randn(out_features, generator=g).to(x.dtype) if with_bias else None
+    layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=level)
     expected = (x.float() @ codes.float().t()) * layer.scales.float() + (bias.float() if with_bias else 0)
-    got = kernels.int8_gemm(x, layer.codes, layer.scales, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    got = level.int8_gemm(x, layer.codes, layer.scales, bias)
+    assert got.dtype == x.dtype and got.shape == (rows, out_features)
+    # exact products (bf16) or fp32 weights code * scale (fp32), fp32 sums, one rounding
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
     if rows > layer.max_rows:
-        assert torch.equal(layer(x), kernels.int8_gemm(x, layer.codes, layer.scales))
+        assert torch.equal(layer(x), level.int8_gemm(x, layer.codes, layer.scales))
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernels.int8_gemm(x[:, :8].contiguous(), layer.codes[:, :8].contiguous(), layer.scales)
+        level.int8_gemm(x[:, :8].contiguous(), layer.codes[:, :8].contiguous(), layer.scales)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.gemv_supported(), reason="int4_gemm needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 4, 9, 64])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
-def test_int4_gemm_matches_the_dequantized_weight(rows, out_features, in_features, group_size):
+def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, group_size):
     """The many-row int4 kernel reads int4_linear's codes and pairs; each weight is q * scale + min
     rounded once to bf16, then exact products and fp32 sums. Int4Linear takes it from
     INT4_GEMM_MIN_ROWS rows."""
-    from tokenmill.layers.linear import INT4_GEMM_MIN_ROWS, Int4Linear
+    from tokenmill.layers.linear import Int4Linear, kernel_rows
 
     g = torch.Generator().manual_seed(rows)
     codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
-    layer = Int4Linear(record, None, kernels)
-    weight = (codes * scales + mins).bfloat16().float()  # rounded once, as the kernel rounds it
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
-    got = kernels.int4_gemm(x, layer.kernel_codes, layer.kernel_pairs, group_size)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=1e-3, rtol=2**-8)
-    if rows >= INT4_GEMM_MIN_ROWS:
+    layer = Int4Linear(record, None, level)
+    weight = codes * scales + mins
+    if level.native_bf16():
+        weight = weight.bfloat16().float()  # rounded once, as the kernel rounds it
+    x = activations(level, rows, in_features, g)
+    got = level.int4_gemm(x, layer.kernel_codes, layer.kernel_pairs, group_size)
+    assert got.dtype == x.dtype and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
+    if rows >= kernel_rows(level)[1]:
         assert torch.equal(layer(x), got)
     # within PyTorch's kernel's distance of the unrounded weight (its tolerance above)
     torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)

@@ -16,6 +16,12 @@ from tokenmill.layers.attention import BatchLayout
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built here: {cpu_kernels.build_error()}")
+# The dtype the host's kernels compute in (dtype "auto"): bf16 with native bf16, fp32 below.
+NATIVE_BF16 = kernels is not None and kernels.native_bf16()
+DTYPE = "bfloat16" if NATIVE_BF16 else "float32"
+needs_prefill_kernel = pytest.mark.skipif(kernels is None or not kernels.prefill_attention_supported(),
+                                          reason="steps with prefill chunks run in the stack with the bf16 prefill "
+                                                 "kernel (AVX-512 BF16)")
 
 
 def model_step(runner, seq_lens: list[int], seed: int = 0, prefill: list[tuple[int, int]] = ()):
@@ -97,7 +103,10 @@ def bf16_runner(bf16_llm):
 
 @pytest.mark.parametrize("seq_lens", [[37], [1, 16, 17, 90, 200]])
 def test_bf16_onednn_linears(bf16_runner, seq_lens):
-    assert bf16_runner.model.layers[0].self_attn.qkv_proj.packed
+    """bf16 works at every level: oneDNN's packed weights where it has bf16 (AVX-512), F.linear below."""
+    from tokenmill.layers.cpu_isa import host_isa, onednn_bf16
+
+    assert bf16_runner.model.layers[0].self_attn.qkv_proj.packed == onednn_bf16(host_isa())
     assert_stack_matches_python(bf16_runner, seq_lens)
 
 
@@ -106,6 +115,7 @@ def test_bf16_onednn_linears(bf16_runner, seq_lens):
 PREFILL_STEPS = [([], [(40, 40)]), ([5, 70], [(33, 33), (20, 90), (1, 17)])]
 
 
+@needs_prefill_kernel
 @pytest.mark.parametrize("seq_lens,prefill", PREFILL_STEPS)
 def test_bf16_steps_with_prefill_chunks(bf16_runner, seq_lens, prefill):
     assert_stack_matches_python(bf16_runner, seq_lens, prefill)
@@ -113,16 +123,19 @@ def test_bf16_steps_with_prefill_chunks(bf16_runner, seq_lens, prefill):
 
 @pytest.mark.parametrize("options,seq_lens", [
     ({"quantization": "int4"}, [5, 40, 33]),  # int4_linear (<= 3 rows)
-    ({"quantization": "int4"}, [5, 40, 33, 7, 90, 12]),  # PyTorch's int4 kernel (4-23 rows)
+    ({"quantization": "int4"}, [5, 40, 33, 7, 90, 12]),  # bf16: PyTorch's int4 kernel (4-23 rows); else int4_linear
     ({"quantization": "int4"}, list(range(1, 31))),  # int4_gemm (>= 24 rows)
     ({"quantization": "int8"}, [3, 70]),  # the int8 kernel (<= 16 rows)
+    ({"quantization": "int8"}, [3, 70, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),  # bf16: PyTorch's; else int8_gemm
     ({"quantization": "int8"}, list(range(1, 41))),  # int8_gemm (> 16 rows)
     ({"kv_cache_dtype": "int8"}, [9, 130]),
 ])
 def test_quantized_linears_and_kv_cache(options, seq_lens):
-    runner = cpu_llm("smollm2-135m", dtype="bfloat16", **options).engine.core.runner
+    """In the host's dtype: bf16 kernels with native bf16, else the int8-activation (few rows) and
+    fp32 panel (many rows) kernels."""
+    runner = cpu_llm("smollm2-135m", dtype=DTYPE, **options).engine.core.runner
     assert_stack_matches_python(runner, seq_lens)
-    if len(seq_lens) <= 3:  # and a step with prefill chunks (many rows: the gemm kernels)
+    if len(seq_lens) <= 3 and NATIVE_BF16:  # and a step with prefill chunks (many rows: the gemm kernels)
         assert_stack_matches_python(runner, *PREFILL_STEPS[1])
 
 
@@ -131,16 +144,17 @@ def test_qwen2_biases_fp32_and_int4_input_scales(tiny_qwen2_dir):
     assert runner.model.layers[0].self_attn.qkv_proj.bias is not None
     assert_stack_matches_python(runner, [2, 19, 50])
 
-    runner = cpu_llm(str(tiny_qwen2_dir), dtype="bfloat16", quantization="int4").engine.core.runner
+    runner = cpu_llm(str(tiny_qwen2_dir), dtype=DTYPE, quantization="int4").engine.core.runner
     model = runner.model
     gen = torch.Generator().manual_seed(1)
     for layer in model.layers:  # as AWQ leaves them: x * input_scale before the matmul
         for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
-            lin.input_scale = (torch.rand(lin.in_features, generator=gen) + 0.5).to(torch.bfloat16)
+            lin.input_scale = (torch.rand(lin.in_features, generator=gen) + 0.5).to(getattr(torch, DTYPE))
     assert model.enable_cpu_decoder(kernels)
     assert_stack_matches_python(runner, [2, 19, 50])
 
 
+@needs_prefill_kernel
 def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):
     model = bf16_llm.engine.core.runner.model
     spy = CountingStack(model.cpu_decoder)

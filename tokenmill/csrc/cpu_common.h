@@ -6,11 +6,28 @@
 #include <cstdint>
 #include <initializer_list>
 
-// The AVX-512 BF16 kernels are built only where the compiler targets it (-march=native on such a
-// CPU); elsewhere their callers keep PyTorch's ops (gemv_supported(), prefill_attention_supported()).
+// Each build targets one instruction-set level (layers/cpu_isa.py passes its -march flags and
+// TOKENMILL_ISA_NAME). The AVX-512 BF16 kernels are built where the compiler targets it; the
+// AVX2 ones (cpu_gemv_avx2.cpp) where it targets AVX2 + FMA + F16C (x86-64-v3 and up);
+// elsewhere (generic) the callers keep PyTorch's ops (gemv_supported(), native_bf16(),
+// prefill_attention_supported()). No x86 intrinsic appears outside these macros, so the generic
+// build compiles on any architecture (a NEON path would be one more macro and file).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_AVX512_BF16 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENMILL_AVX2 1
+#endif
+#if defined(TOKENMILL_AVX512_BF16) || defined(TOKENMILL_AVX2)
 #include <immintrin.h>
+#endif
+
+#define TOKENMILL_STRINGIFY2(x) #x
+#define TOKENMILL_STRINGIFY(x) TOKENMILL_STRINGIFY2(x)
+#ifdef TOKENMILL_ISA_NAME
+#define TOKENMILL_ISA TOKENMILL_STRINGIFY(TOKENMILL_ISA_NAME)
+#else
+#define TOKENMILL_ISA "unnamed"
 #endif
 
 namespace tokenmill {
@@ -19,6 +36,11 @@ namespace tokenmill {
 constexpr bool kAvx512Bf16Built = true;
 #else
 constexpr bool kAvx512Bf16Built = false;
+#endif
+#ifdef TOKENMILL_AVX2
+constexpr bool kAvx2Built = true;
+#else
+constexpr bool kAvx2Built = false;
 #endif
 
 // Where a paged attention kernel finds its rows: query / output rows [tokens, num_heads,

@@ -77,24 +77,25 @@ struct Linear {
       default:
         break;
     }
-    // QuantizedLinear.forward
+    // QuantizedLinear.forward: the kernels take x in its dtype, PyTorch's int4/int8 kernels in bf16
     const at::Tensor xs = input_scale ? x * *input_scale : x;
-    const at::Tensor xb = xs.scalar_type() == at::kBFloat16 ? xs : xs.to(at::kBFloat16);
+    const int64_t rows = xs.size(0);
+    const auto bf16 = [&] { return xs.scalar_type() == at::kBFloat16 ? xs : xs.to(at::kBFloat16); };
     at::Tensor y;
-    if (kind == Kind::kInt4 && kernel_codes && xb.size(0) <= kernel_max_rows) {
-      y = int4_linear(xb.contiguous(), *kernel_codes, *kernel_pairs, param);
-    } else if (kind == Kind::kInt4 && kernel_codes && xb.size(0) >= gemm_min_rows) {  // many rows
-      y = int4_gemm(xb.contiguous(), *kernel_codes, *kernel_pairs, param);
+    if (kind == Kind::kInt4 && kernel_codes && rows <= kernel_max_rows) {
+      y = int4_linear(xs.contiguous(), *kernel_codes, *kernel_pairs, param);
+    } else if (kind == Kind::kInt4 && kernel_codes && rows >= gemm_min_rows) {  // many rows
+      y = int4_gemm(xs.contiguous(), *kernel_codes, *kernel_pairs, param);
     } else if (kind == Kind::kInt4) {
-      y = at::_weight_int4pack_mm_for_cpu(xb, weight, param, scales);
-    } else if (kernel_codes && xb.size(0) <= kernel_max_rows) {  // int8
-      y = int8_linear(xb.contiguous(), *kernel_codes, scales);
-    } else if (xb.size(0) <= param) {
-      y = at::_weight_int8pack_mm(xb, weight, scales);
-    } else if (kernel_codes) {  // Int8Linear above max_rows, with the kernels
-      y = int8_gemm(xb.contiguous(), *kernel_codes, scales, c10::nullopt);
+      y = at::_weight_int4pack_mm_for_cpu(bf16(), weight, param, scales);
+    } else if (kernel_codes && rows <= kernel_max_rows && (native_bf16() || xs.size(1) % 32 == 0)) {  // int8
+      y = int8_linear(xs.contiguous(), *kernel_codes, scales);
+    } else if (kernel_codes && rows > param) {  // Int8Linear above max_rows, with the kernels
+      y = int8_gemm(xs.contiguous(), *kernel_codes, scales, c10::nullopt);
+    } else if (rows <= param) {
+      y = at::_weight_int8pack_mm(bf16(), weight, scales);
     } else {  // Int8Linear above max_rows: its dequantized weight in a bf16 matmul
-      y = at::linear(xb, weight.to(at::kBFloat16) * scales.unsqueeze(1));
+      y = at::linear(bf16(), weight.to(at::kBFloat16) * scales.unsqueeze(1));
     }
     if (bias) y = y + *bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());

@@ -32,7 +32,8 @@
 #include <type_traits>
 #include <vector>
 
-bool gemv_supported() { return tokenmill::kAvx512Bf16Built; }
+bool gemv_supported() { return tokenmill::kAvx512Bf16Built || tokenmill::kAvx2Built; }
+bool native_bf16() { return tokenmill::kAvx512Bf16Built; }
 
 #ifdef TOKENMILL_AVX512_BF16
 namespace {
@@ -308,20 +309,31 @@ void panel_gemm(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>&
 
 namespace {
 
-// The checks every matmul kernel here makes: built here, CPU tensors, contiguous, x bf16 [M, K]
-// with 1 <= M (<= max_rows; 0: any number of rows).
+// The checks every matmul kernel here makes: built here, CPU tensors, contiguous, x fp32 or bf16
+// [M, K] with 1 <= M (<= max_rows; 0: any number of rows).
 void check_matmul_args(const char* kernel, const at::Tensor& x, std::initializer_list<const at::Tensor*> weights,
                        int64_t max_rows) {
-  TORCH_CHECK(gemv_supported(), kernel, " needs AVX-512 BF16 (see gemv_supported)");
+  TORCH_CHECK(gemv_supported(), kernel, " needs AVX2 or AVX-512 BF16 (see gemv_supported)");
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "contiguous CPU tensors");
   for (const at::Tensor* t : weights) TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "contiguous CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 &&
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.size(0) >= 1 &&
                   (max_rows == 0 || x.size(0) <= max_rows),
-              "x: bf16 [M, K] with 1 <= M", max_rows ? " <= " + std::to_string(max_rows) : std::string());
+              "x: fp32 or bf16 [M, K] with 1 <= M", max_rows ? " <= " + std::to_string(max_rows) : std::string());
 }
 
-// The few-row kernels take 1-4 rows.
-constexpr int64_t kFewRowsMax = 4;
+// The AVX-512 BF16 few-row kernels take 1-4 rows; the AVX2 ones any number (4 at a time).
+constexpr int64_t kFewRowsMax = tokenmill::kAvx512Bf16Built ? 4 : 0;
+
+// An entry point of a level without the kernel (check_matmul_args has refused the call already).
+at::Tensor not_built(const char* kernel) {
+  TORCH_CHECK(false, kernel, " is not built at this instruction-set level");
+  return at::Tensor();
+}
+
+// The kernels of the AVX-512 BF16 level compute on bf16 activations, the AVX2 level's on fp32.
+at::Tensor as_kernel_dtype(const at::Tensor& x) {
+  return x.to(tokenmill::kAvx512Bf16Built ? at::kBFloat16 : at::kFloat);
+}
 
 // int4_linear's and int4_gemm's weight: packed [N, K/2] uint8, pairs [N, K/group_size, 2] bf16.
 void check_int4_weight(int64_t K, int64_t N, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
@@ -342,10 +354,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_matmul_args("int4_linear", x, {&packed, &pairs}, kFewRowsMax);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   check_int4_weight(K, N, packed, pairs, group_size);
+#if defined(TOKENMILL_AVX512_BF16)
   const int64_t groups = K / group_size;
-  at::Tensor y = at::empty({M, N}, x.options());
-#ifdef TOKENMILL_AVX512_BF16
-  const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+  const at::Tensor xk = as_kernel_dtype(x);
+  at::Tensor y = at::empty({M, N}, xk.options());
+  const c10::BFloat16* xb = xk.data_ptr<c10::BFloat16>();
   std::vector<float> xs(M * groups);  // group sums of x
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -364,14 +377,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   for_output_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
     int4_rows<decltype(m)::value>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end);
   });
+#elif defined(TOKENMILL_AVX2)
+  const at::Tensor y = tokenmill::avx2::int4_linear(as_kernel_dtype(x), packed, pairs, group_size);
+#else
+  const at::Tensor y = not_built("int4_linear");
 #endif
-  return y;
+  return y.to(x.scalar_type());
 }
 
 // x [M, K] bf16 contiguous, 1 <= M <= 4; weight [N, K] bf16 contiguous, K a multiple of 32; bias
 // [N] bf16 or None. Returns y [M, N] bf16: each dot product in fp32 (+ the bias), rounded once.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  check_matmul_args("bf16_linear", x, {&weight}, kFewRowsMax);
+  TORCH_CHECK(native_bf16(), "bf16_linear needs AVX-512 BF16 (see native_bf16)");
+  check_matmul_args("bf16_linear", x, {&weight}, 4);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x: bf16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) == K && K % 32 == 0,
               "weight: bf16 [N, K], K a multiple of 32");
@@ -401,9 +420,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == K && K % 16 == 0,
               "codes: int8 [N, K], K a multiple of 16");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
-  at::Tensor y = at::empty({M, N}, x.options());
-#ifdef TOKENMILL_AVX512_BF16
-  const at::Tensor xf = x.to(at::kFloat);
+#if defined(TOKENMILL_AVX512_BF16)
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+  const at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
@@ -411,8 +430,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   for_output_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
     int8_rows<decltype(m)::value>(xp, cp, sp, out, K, N, begin, end);
   });
+#elif defined(TOKENMILL_AVX2)
+  TORCH_CHECK(K % 32 == 0, "codes: K a multiple of 32");
+  const at::Tensor y = tokenmill::avx2::int8_linear(as_kernel_dtype(x), codes, scales);
+#else
+  const at::Tensor y = not_built("int8_linear");
 #endif
-  return y;
+  return y.to(x.scalar_type());
 }
 
 // x [M, K] bf16 contiguous, any M >= 1; codes [N, K] int8 contiguous, K a multiple of 16; scales
@@ -427,16 +451,21 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "codes: int8 [N, K], K a multiple of 16");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu()), "bias: [N]");
-  at::Tensor y = at::empty({M, N}, x.options());
-#ifdef TOKENMILL_AVX512_BF16
+  const at::Tensor xk = as_kernel_dtype(x);
+#if defined(TOKENMILL_AVX512_BF16)
+  at::Tensor y = at::empty({M, N}, xk.options());
   const auto* cp = codes.data_ptr<int8_t>();
-  panel_gemm(x, N, scales, bias, y, [&](int64_t j, int64_t k, bool whole) {
+  panel_gemm(xk, N, scales, bias, y, [&](int64_t j, int64_t k, bool whole) {
     const int8_t* src = cp + j * K + k;
     return (__m512i)_mm512_cvtne2ps_pbh(whole ? tokenmill::int8x16_to_fp32(src + 16) : _mm512_setzero_ps(),
                                         tokenmill::int8x16_to_fp32(src));
   }, [&](int64_t n0, int64_t rows) { prefetch_bytes(cp + n0 * K, rows * K); });
+#elif defined(TOKENMILL_AVX2)
+  const at::Tensor y = tokenmill::avx2::int8_gemm(xk, codes, scales, bias);
+#else
+  const at::Tensor y = not_built("int8_gemm");
 #endif
-  return y;
+  return y.to(x.scalar_type());
 }
 
 // x [M, K] bf16 contiguous, any M >= 1; packed and pairs as int4_linear's. Returns y [M, N] bf16:
@@ -447,14 +476,15 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   check_matmul_args("int4_gemm", x, {&packed, &pairs}, 0);
   const int64_t K = x.size(1), N = packed.size(0);
   check_int4_weight(K, N, packed, pairs, group_size);
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-#ifdef TOKENMILL_AVX512_BF16
+  const at::Tensor xk = as_kernel_dtype(x);
+#if defined(TOKENMILL_AVX512_BF16)
+  at::Tensor y = at::empty({x.size(0), N}, xk.options());
   const int64_t groups = K / group_size;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  panel_gemm(x, N, c10::nullopt, c10::nullopt, y, [&](int64_t j, int64_t k, bool) {
+  panel_gemm(xk, N, c10::nullopt, c10::nullopt, y, [&](int64_t j, int64_t k, bool) {
     // the group's 16 possible weights, v * scale + min rounded to bf16, as a lookup table
     const uint32_t pair = p[j * groups + k / group_size];
     const __m512i table = _mm512_castsi256_si512(
@@ -468,6 +498,10 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     prefetch_bytes(w + n0 * (K / 2), rows * (K / 2));
     prefetch_bytes(p + n0 * groups, rows * groups * 4);
   });
+#elif defined(TOKENMILL_AVX2)
+  const at::Tensor y = tokenmill::avx2::int4_gemm(xk, packed, pairs, group_size);
+#else
+  const at::Tensor y = not_built("int4_gemm");
 #endif
-  return y;
+  return y.to(x.scalar_type());
 }

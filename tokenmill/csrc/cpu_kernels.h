@@ -20,8 +20,10 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
                          int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& key_scales,
                          const c10::optional<at::Tensor>& value_scales);
 
-// cpu_gemv.cpp: int4, int8 or bf16 weights x bf16 at 1-4 rows (where the CPU has AVX-512 BF16).
+// cpu_gemv.cpp: int4 or int8 weights at few rows and many (gemv_supported(): AVX2 and up; x fp32
+// or bf16, y in x's dtype), bf16 weights x bf16 at 1-4 rows (native_bf16(): AVX-512 BF16).
 bool gemv_supported();
+bool native_bf16();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
@@ -39,6 +41,16 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                              const at::Tensor& query_lens, double scale, const c10::optional<at::Tensor>& key_scales,
                              const c10::optional<at::Tensor>& value_scales, const c10::optional<at::Tensor>& key,
                              const c10::optional<at::Tensor>& value);
+
+// cpu_gemv_avx2.cpp: the quantized matmuls of the AVX2 level, for cpu_gemv.cpp's entry points
+// (arguments checked there; x fp32 [M, K]; y fp32 [M, N]).
+namespace tokenmill::avx2 {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
+}  // namespace tokenmill::avx2
 
 // Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
 void bind_decoder_stack(pybind11::module& m);

@@ -1,21 +1,26 @@
-"""tokenmill's own CPU kernels (`tokenmill/csrc/cpu_kernels.cpp`), compiled for this machine at
-first use with `torch.utils.cpp_extension` (g++ and ninja; -O3 -march=native -ffast-math -fopenmp) and cached
-by torch under ~/.cache/torch_extensions (`TORCH_EXTENSIONS_DIR`), so one build (~20 s on 2
-cores) serves every later process.
+"""tokenmill's own CPU kernels (`tokenmill/csrc/`), compiled at first use with
+`torch.utils.cpp_extension` (g++ and ninja; -O3 -ffast-math -fopenmp and the flags of an
+instruction-set level, layers/cpu_isa.py) and cached by torch under ~/.cache/torch_extensions
+(`TORCH_EXTENSIONS_DIR`), one build per level (`tokenmill_cpu_kernels_<level>`, ~20-40 s on 2
+cores), so every later process reuses it and no build runs on a CPU without its instructions.
 
 - `paged_decode_attention`: decode attention read in place from the paged KV cache through the
   block tables (the PyTorch path gathers every sequence's blocks, then runs SDPA).
 - `rms_norm`: one pass per row instead of the ~8 ops of `F.rms_norm` on CPU; `add_rms_norm`:
   the residual add before it in the same pass.
 - `rope_write_kv`: RoPE of q and k and the store of k and v in the paged cache, one call.
-- `bf16_linear`, `int8_linear`, `int4_linear` (csrc/cpu_gemv.cpp): matmuls of 1-4 rows (the
-  linears use them up to `layers.linear.KERNEL_MAX_ROWS`) where the CPU has AVX-512 BF16
-  (`gemv_supported()`); `Int4Linear` packs its codes for `int4_linear`.
+- `int8_linear`, `int4_linear`, `int8_gemm`, `int4_gemm` (csrc/cpu_gemv.cpp): quantized matmuls
+  of few rows and of many (`gemv_supported()`: avx2 and up). At avx512_bf16 they take bf16
+  activations (vdpbf16ps, csrc/cpu_gemv.cpp); at avx2/avx512 fp32 activations quantized to int8
+  per block of 32 for the few-row kernels (vpmaddubsw) and weights widened to fp32 panels for
+  many rows (csrc/cpu_gemv_avx2.cpp). `bf16_linear`: bf16 weights at 1-3 rows
+  (`native_bf16()`: avx512_bf16 only).
 - `paged_prefill_attention` (csrc/cpu_prefill.cpp): causal flash attention of a step's bf16
-  prefill chunks over the paged cache (AVX-512 BF16: `prefill_attention_supported()`).
+  prefill chunks over the paged cache (avx512_bf16: `prefill_attention_supported()`).
 - `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for a step (decode-only, or
   with bf16 prefill chunks) in one call, the same ops as the Python layers without the
   interpreter between them (`LlamaForCausalLM.enable_cpu_decoder`).
+- `isa()`: the level the module was built for.
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no ninja); then
 `build_error()` says why and callers use their PyTorch path.
@@ -28,37 +33,59 @@ import logging
 import time
 from pathlib import Path
 
+from tokenmill.layers import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_gemv.cpp", CSRC / "cpu_prefill.cpp"]
-_error: str | None = None
+SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_gemv.cpp", CSRC / "cpu_gemv_avx2.cpp",
+           CSRC / "cpu_prefill.cpp"]
+_errors: dict[str, str] = {}
+
+
+def build_name(isa: str) -> str:
+    """The extension's name (and torch_extensions folder) for a level: one build per level."""
+    return f"tokenmill_cpu_kernels_{isa}"
+
+
+def load(isa: str | None = None):
+    """The module built for `isa` (default: the host's, cpu_isa.host_isa()), or None (see
+    build_error). A level this CPU does not execute is refused (ValueError), never loaded."""
+    isa = isa or cpu_isa.host_isa()
+    cpu_isa.check_isa("isa", isa)
+    return _load(isa)
 
 
 @functools.cache
-def load():
-    """The compiled module, or None (see build_error)."""
-    global _error
+def _load(isa: str):
+    if not cpu_isa.runs_here(isa):
+        raise ValueError(f"isa: this CPU ({cpu_isa.detected_isa()}) cannot execute {isa} code")
     try:
         from torch.utils import cpp_extension
 
         t0 = time.perf_counter()
         module = cpp_extension.load(
-            name="tokenmill_cpu_kernels",
+            name=build_name(isa),
             sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *cpu_isa.compile_flags(isa), f"-DTOKENMILL_ISA_NAME={isa}"],
             extra_ldflags=["-fopenmp", "-lm"],
             verbose=False,
         )
-        logger.debug("CPU kernels ready in %.1fs", time.perf_counter() - t0)
+        assert module.isa() == isa, (module.isa(), isa)
+        logger.info("CPU kernels: %s (ready in %.1fs)", isa, time.perf_counter() - t0)
         return module
     except Exception as e:  # a missing compiler or ninja surfaces as several exception types
         lines = str(e).strip().splitlines() or [""]
-        _error = f"{type(e).__name__}: " + next((line for line in lines if "error:" in line), lines[-1])
-        logger.warning("tokenmill CPU kernels unavailable (%s); using the PyTorch ops instead", _error)
+        _errors[isa] = f"{type(e).__name__}: " + next((line for line in lines if "error:" in line), lines[-1])
+        logger.warning("tokenmill CPU kernels (%s) unavailable (%s); using the PyTorch ops instead", isa, _errors[isa])
         return None
 
 
-def build_error() -> str | None:
-    """Why load() returned None (None if it has not failed)."""
-    return _error
+def build_error(isa: str | None = None) -> str | None:
+    """Why load(isa) returned None (None if it has not failed)."""
+    return _errors.get(isa or cpu_isa.host_isa())
+
+
+def loadable_levels() -> list[str]:
+    """Every level this CPU executes, lowest first (the kernel tests run each)."""
+    return [isa for isa in cpu_isa.ISA_LEVELS if cpu_isa.runs_here(isa)]

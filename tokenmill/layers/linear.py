@@ -33,20 +33,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
+from tokenmill.layers.cpu_isa import host_isa, onednn_bf16
 from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_rows_int8, unpack_int4
 
 
-# The most rows the few-row kernels take here and in the DecoderStack. At 4 rows int4_linear is
-# on par with PyTorch's kernel.
+# The most rows the few-row kernels take here and in the DecoderStack at avx512_bf16. At 4 rows
+# int4_linear is on par with PyTorch's kernel.
 KERNEL_MAX_ROWS = 3
-# From how many rows Int4Linear runs `int4_gemm` (here and in the DecoderStack): over the default
-# model's 120 layer matrices on 2 cores 0.83x PyTorch's int4 kernel at 16 rows, 1.23x at 32,
-# 1.75x at 64 (below, its per-panel widening of the codes is not paid back).
+# From how many rows Int4Linear runs `int4_gemm` (here and in the DecoderStack) at avx512_bf16:
+# over the default model's 120 layer matrices on 2 cores 0.83x PyTorch's int4 kernel at 16 rows,
+# 1.23x at 32, 1.75x at 64 (below, its per-panel widening of the codes is not paid back).
 INT4_GEMM_MIN_ROWS = 24
+# At avx2/avx512 the few-row kernels (int8 activations, memory-bound) run up to this many rows and
+# the fp32 panel kernels (int8_gemm, int4_gemm) above; PyTorch's bf16 kernels never (without
+# native bf16 they are many times slower than either).
+AVX2_KERNEL_MAX_ROWS = 8
+
+
+def kernel_rows(kernels) -> tuple[int, int]:
+    """(the most rows for the few-row kernels, the fewest for int4_gemm) of a kernels module."""
+    if kernels.native_bf16():
+        return KERNEL_MAX_ROWS, INT4_GEMM_MIN_ROWS
+    return AVX2_KERNEL_MAX_ROWS, AVX2_KERNEL_MAX_ROWS + 1
 
 
 def _bf16_packing_supported(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+    # oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ); below it F.linear computes bf16 (slowly).
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and onednn_bf16(host_isa())
 
 
 class DenseLinear(nn.Module):
@@ -61,7 +74,7 @@ class DenseLinear(nn.Module):
         self.bias = bias
         self.packed = weight.dtype == torch.bfloat16 and _bf16_packing_supported(weight.device)
         self.kernel = None
-        if (self.packed and kernels is not None and kernels.gemv_supported() and self.in_features % 32 == 0
+        if (self.packed and kernels is not None and kernels.native_bf16() and self.in_features % 32 == 0
                 and weight.is_contiguous()):
             self.kernel, self.plain = kernels, weight
         # The oneDNN layout is opaque: keep it out of state_dict / .to() (the model is converted
@@ -127,22 +140,29 @@ class Int8Linear(QuantizedLinear):
         self.scales = record["scales"].to(torch.bfloat16)
         self.max_rows = max_rows
         self.kernel = None
+        self.kernel_max_rows = 0
         if (kernels is not None and self.codes.device.type == "cpu" and kernels.gemv_supported()
                 and self.in_features % 16 == 0):
             self.kernel = kernels
             self.codes = self.codes.contiguous()
+            # (the int8-activation few-row kernel works in blocks of 32 input channels)
+            if kernels.native_bf16() or self.in_features % 32 == 0:
+                self.kernel_max_rows = kernel_rows(kernels)[0]
+            if not kernels.native_bf16():  # no rows for PyTorch's bf16 kernel between the two
+                self.max_rows = self.kernel_max_rows
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.to(torch.bfloat16) * self.scales[:, None]
 
     def _matmul(self, x):
+        rows = x.shape[0]
+        if self.kernel is not None and rows <= self.kernel_max_rows:
+            return self.kernel.int8_linear(x.contiguous(), self.codes, self.scales)
+        if self.kernel is not None and rows > self.max_rows:
+            return self.kernel.int8_gemm(x.contiguous(), self.codes, self.scales)
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if self.kernel is not None and xb.shape[0] <= KERNEL_MAX_ROWS:
-            return self.kernel.int8_linear(xb.contiguous(), self.codes, self.scales)
-        if xb.shape[0] <= self.max_rows:
+        if rows <= self.max_rows:
             return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
-        if self.kernel is not None:
-            return self.kernel.int8_gemm(xb.contiguous(), self.codes, self.scales)
         return F.linear(xb, self.dequantized())
 
     def cpu_decoder_spec(self):
@@ -192,17 +212,18 @@ class Int4Linear(QuantizedLinear):
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)):
             self.kernel = kernels
+            self.kernel_max_rows, self.gemm_min_rows = kernel_rows(kernels)
             # Each 64-code chunk as 32 bytes: byte j = code j (low nibble) | code 32 + j (high).
             chunks = codes.view(codes.shape[0], -1, 2, 32)
             self.kernel_codes = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).to(torch.uint8).flatten(1).contiguous()
             self.kernel_pairs = torch.stack([scales, mins], dim=-1).to(torch.bfloat16).contiguous()
 
     def _matmul(self, x):
+        if self.kernel is not None and x.shape[0] <= self.kernel_max_rows:
+            return self.kernel.int4_linear(x.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
+        if self.kernel is not None and x.shape[0] >= self.gemm_min_rows:
+            return self.kernel.int4_gemm(x.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if self.kernel is not None and xb.shape[0] <= KERNEL_MAX_ROWS:
-            return self.kernel.int4_linear(xb.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
-        if self.kernel is not None and xb.shape[0] >= INT4_GEMM_MIN_ROWS:
-            return self.kernel.int4_gemm(xb.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
         if xb.device.type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
         if self.dense_weight is not None:

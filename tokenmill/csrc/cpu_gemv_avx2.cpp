@@ -1,0 +1,309 @@
+// The quantized matmuls for CPUs without bf16 dot products (x86-64-v3: AVX2, FMA, F16C), the
+// kernels behind int8_linear / int4_linear / int8_gemm / int4_gemm (cpu_gemv.cpp) at the avx2
+// and avx512 levels. Activations are fp32 (dtype "auto" on these CPUs).
+//
+// Few rows (decode): memory-bound, so the weight is read once as it is stored and multiplied in
+// integers, as llama.cpp does. Each row of x is quantized to int8 per block of 32 values
+// (d = absmax / 127, codes round(x / d)); a block's dot product with 32 weight codes is
+// vpmaddubsw (unsigned x signed bytes, pairs summed to int16) + vpmaddwd (to int32), then one
+// fp32 FMA with the block's scale.
+// - int8 (symmetric, one scale per output channel): |w| as the unsigned operand and the x codes
+//   with w's sign as the signed one (|w| <= 128, |x code| <= 127: no int16 overflow); y = scale *
+//   sum_blocks d_b * isum_b.
+// - int4 (asymmetric groups, w = q * scale + min, q = 0..15, the 64-code chunks of
+//   Int4Linear: byte j holds q[j] low, q[32 + j] high): q is the unsigned operand as it is;
+//   y = sum_blocks scale_g d_b isum_b + sum_blocks min_g * sum(x of block b) (exact fp32 sums).
+// Many rows (batched decode, prefill): compute-bound, so weights are widened to fp32 once per
+// panel of output channels (row-major, in a per-thread buffer that stays in cache) and every
+// 4-row tile of x runs over the panel, 4 x 3 accumulators of 8 dot-product lanes.
+#include "cpu_common.h"
+#include "cpu_kernels.h"
+
+#ifdef TOKENMILL_AVX2
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace tokenmill::avx2 {
+namespace {
+
+constexpr int64_t kBlock = 32;   // activation values per int8 scale
+constexpr int64_t kTileRows = 4;  // rows of x per few-row pass and per many-row tile
+constexpr int64_t kTileCols = 3;  // output channels per many-row tile
+constexpr int64_t kPanel = 24;    // output channels widened to fp32 at a time (a multiple of kTileCols)
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale) and
+// sums [M, K/32] (the block's exact fp32 sum, for int4's mins).
+struct QuantizedRows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, sums;
+
+  QuantizedRows(const float* x, int64_t M, int64_t K) : blocks(K / kBlock), q(M * K), d(M * blocks), sums(M * blocks) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < M * blocks; ++b) {
+      const float* src = x + b * kBlock;
+      __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        sum = _mm256_add_ps(sum, v[i]);
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      const float max = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+      d[b] = max / 127.f;
+      sums[b] = hsum(sum);
+      const __m256 inv = _mm256_set1_ps(max > 0.f ? 127.f / max : 0.f);
+      __m256i c[4];
+      for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
+      // packs work within 128-bit lanes; the permute puts the 32 codes back in order
+      const __m256i c16 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + b * kBlock), _mm256_permutevar8x32_epi32(c16, order));
+    }
+  }
+};
+
+// Rows r0 .. r0 + R - 1 of y, output channels [begin, end): int8 codes [N, K], bf16 scales [N].
+template <int R>
+void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const uint16_t* scales, float* y, int64_t K,
+               int64_t N, int64_t begin, int64_t end) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xr[R];
+  const float* dr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q.data() + (r0 + r) * K;
+    dr[r] = xq.d.data() + (r0 + r) * xq.blocks;
+  }
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* w = codes + n * K;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < xq.blocks; ++b) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
+      const __m256i aw = _mm256_abs_epi8(wv);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + b * kBlock));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dr[r][b]), acc[r]);
+      }
+    }
+    const float scale = bf16_bits_to_float(scales[n]);
+    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(acc[r]) * scale;
+  }
+}
+
+// As int8_rows for int4: packed [N, K/2] (64-code chunks), pairs [N, groups] (scale, min) bf16.
+template <int R>
+void int4_rows(const QuantizedRows& xq, int64_t r0, const uint8_t* packed, const uint32_t* pairs, float* y,
+               int64_t K, int64_t N, int64_t group_size, int64_t begin, int64_t end) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
+  const int8_t* xr[R];
+  const float* dr[R];
+  const float* sr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q.data() + (r0 + r) * K;
+    dr[r] = xq.d.data() + (r0 + r) * xq.blocks;
+    sr[r] = xq.sums.data() + (r0 + r) * xq.blocks;
+  }
+  std::vector<float> block_scale(xq.blocks), block_min(xq.blocks);  // of output channel n, per block of 32
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = packed + n * (K / 2);
+    for (int64_t g = 0, b = 0; g < groups; ++g) {
+      const uint32_t pair = pairs[n * groups + g];
+      for (int64_t j = 0; j < blocks_per_group; ++j, ++b) {
+        block_scale[b] = bf16_bits_to_float(static_cast<uint16_t>(pair));
+        block_min[b] = bf16_bits_to_float(pair >> 16);
+      }
+    }
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K / 64; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
+      const __m256i q[2] = {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)};
+      for (int h = 0; h < 2; ++h) {
+        const int64_t b = 2 * c + h;
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + b * kBlock));
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[h], xv), ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(block_scale[b] * dr[r][b]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float mins = 0.f;
+      for (int64_t b = 0; b < xq.blocks; ++b) mins += block_min[b] * sr[r][b];
+      y[(r0 + r) * N + n] = hsum(acc[r]) + mins;
+    }
+  }
+}
+
+// rows(R, r0, begin, end) for every group of up to kTileRows rows, over the output channels in
+// parallel; each thread runs all row groups on a channel before the next, so a weight row is
+// read from memory once however many rows there are.
+template <typename Rows>
+void for_rows_and_channels(int64_t M, int64_t N, const Rows& rows) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += 8) {
+      const int64_t n1 = std::min(end, n0 + 8);
+      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+        switch (std::min<int64_t>(M - r0, kTileRows)) {
+          case 1: rows(std::integral_constant<int, 1>{}, r0, n0, n1); break;
+          case 2: rows(std::integral_constant<int, 2>{}, r0, n0, n1); break;
+          case 3: rows(std::integral_constant<int, 3>{}, r0, n0, n1); break;
+          default: rows(std::integral_constant<int, 4>{}, r0, n0, n1); break;
+        }
+      }
+    }
+  });
+}
+
+// y[r][n0 + c] = x[r] . buf[c] for R rows and C channels of a panel (buf: C rows of K fp32).
+template <int R, int C>
+void tile(const float* x, int64_t K, const float* buf, float* y, int64_t N) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 w[C];
+    for (int c = 0; c < C; ++c) w[c] = _mm256_loadu_ps(buf + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) y[r * N + c] = hsum(acc[r][c]);
+  }
+}
+
+template <int R>
+void tile_cols(const float* x, int64_t K, const float* buf, float* y, int64_t N, int64_t cols) {
+  int64_t c = 0;
+  for (; c + kTileCols <= cols; c += kTileCols) tile<R, kTileCols>(x, K, buf + c * K, y + c, N);
+  for (; c < cols; ++c) tile<R, 1>(x, K, buf + c * K, y + c, N);
+}
+
+// y [M, N] = x [M, K] fp32 times the weight, widened by widen(n0, cols, buf) into buf [cols, K]
+// fp32 for panels of kPanel output channels; bias [N] fp32 or null.
+template <typename Widen>
+void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y, const Widen& widen) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(kPanel * K);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      widen(n0, cols, buf.data());
+      int64_t r = 0;
+      for (; r + kTileRows <= M; r += kTileRows) tile_cols<kTileRows>(x + r * K, K, buf.data(), y + r * N + n0, N, cols);
+      for (; r < M; ++r) tile_cols<1>(x + r * K, K, buf.data(), y + r * N + n0, N, cols);
+      if (bias) {
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t c = 0; c < cols; ++c) y[m * N + n0 + c] += bias[n0 + c];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The entry points below take what cpu_gemv.cpp has checked: x fp32 [M, K] contiguous; return fp32 [M, N].
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const QuantizedRows xq(x.data_ptr<float>(), M, K);
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
+  float* out = y.data_ptr<float>();
+  for_rows_and_channels(M, N, [&](auto r, int64_t r0, int64_t begin, int64_t end) {
+    int8_rows<decltype(r)::value>(xq, r0, cp, sp, out, K, N, begin, end);
+  });
+  return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const QuantizedRows xq(x.data_ptr<float>(), M, K);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
+  float* out = y.data_ptr<float>();
+  for_rows_and_channels(M, N, [&](auto r, int64_t r0, int64_t begin, int64_t end) {
+    int4_rows<decltype(r)::value>(xq, r0, w, p, out, K, N, group_size, begin, end);
+  });
+  return y;
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
+  panel_gemm(x.data_ptr<float>(), M, K, N, bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+             [&](int64_t n0, int64_t cols, float* buf) {
+               for (int64_t c = 0; c < cols; ++c) {
+                 const int8_t* src = cp + (n0 + c) * K;
+                 const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(sp[n0 + c]));
+                 for (int64_t k = 0; k < K; k += 8) {
+                   const __m256i codes8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k)));
+                   _mm256_storeu_ps(buf + c * K + k, _mm256_mul_ps(_mm256_cvtepi32_ps(codes8), scale));
+                 }
+               }
+             });
+  return y;
+}
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), groups = K / group_size;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
+  panel_gemm(x.data_ptr<float>(), M, K, N, nullptr, y.data_ptr<float>(), [&](int64_t n0, int64_t cols, float* buf) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t* src = w + (n0 + c) * (K / 2);
+      const uint32_t* pr = p + (n0 + c) * groups;
+      float* dst = buf + c * K;
+      for (int64_t k = 0; k < K; k += 16) {
+        // 16 codes k .. k + 15: the low or high nibbles of bytes (k % 32) .. + 15 of chunk k / 64
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (k / 64) * 32 + k % 32));
+        const __m128i q = _mm_and_si128(k % 64 < 32 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+        const uint32_t pair = pr[k / group_size];
+        const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(static_cast<uint16_t>(pair)));
+        const __m256 min = _mm256_set1_ps(bf16_bits_to_float(pair >> 16));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+        _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(lo, scale, min));
+        _mm256_storeu_ps(dst + k + 8, _mm256_fmadd_ps(hi, scale, min));
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace tokenmill::avx2
+
+#endif  // TOKENMILL_AVX2
