@@ -394,7 +394,10 @@ def resolve_device(device: str) -> str:
 def device_name(device: str) -> str:
     import torch
 
-    return torch.cuda.get_device_name(0) if device == "cuda" else (machine_info().get("cpu_model") or "cpu")
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    info = machine_info()
+    return f"{info.get('cpu_model') or 'cpu'} (CPU kernels: {info['cpu_isa']})"
 
 
 def copy_bandwidth(device: str, num_bytes: int, repeats: int = 10) -> dict:
@@ -487,12 +490,16 @@ def machine_info() -> dict:
     except OSError:
         pass
     from tokenmill.config import cpu_has_native_bf16, num_physical_cores
+    from tokenmill.layers.cpu_isa import detected_isa, host_isa
 
     info = {
         "cpu_model": cpu_model,
         "logical_cpus": os.cpu_count(),
         "physical_cores": num_physical_cores(),
         "cpu_native_bf16": cpu_has_native_bf16(),
+        # the kernels' instruction-set level (TOKENMILL_CPU_ISA caps the CPU's own)
+        "cpu_isa": host_isa(),
+        "cpu_isa_detected": detected_isa(),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),

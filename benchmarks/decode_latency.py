@@ -39,7 +39,7 @@ from pathlib import Path
 
 from common import (
     CONFIG_NAMES, PY_LAYERS_SUFFIX, RESULTS_DIR, TEXT_FILE, TORCH_OPS_SUFFIX, OtherLoad, busy_warning, config_base,
-    config_kwargs, config_label, cut_prompts, fmt, hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_ratios,
+    config_kwargs, config_label, cut_prompts, device_name, fmt, hf_generate_batch, hf_pad_id, load_hf, parse_configs, print_ratios,
     print_table, python_layers, run_llama_bench, tensor_bytes, text_token_ids, write_report,
 )
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s best, {bw['median_bytes_per_s'] / 1e9:.1f} GB/s median "
         f"(t.sum() over 512 MiB fp32, {threads} threads); model {model_path.name}; prompt {args.prompt_len} tokens, "
-        f"{args.output_len} output tokens, batch 1, {args.repeats} repeats",
+        f"{args.output_len} output tokens, batch 1, {args.repeats} repeats; {device_name('cpu')}",
         flush=True,
     )
 

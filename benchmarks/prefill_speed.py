@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from common import (
-    CONFIG_NAMES, RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, config_kwargs, config_label, cut_prompts, fmt,
+    CONFIG_NAMES, RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, config_kwargs, config_label, cut_prompts, device_name, fmt,
     load_hf, parse_configs, print_ratios, print_table, run_llama_bench, text_token_ids, write_report,
 )
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
     torch.set_num_threads(threads)
     model_path = resolve_model(args.model)
-    print(f"model {model_path.name}; prompts of {args.prompt_len} tokens; {threads} threads", flush=True)
+    print(f"model {model_path.name}; prompts of {args.prompt_len} tokens; {threads} threads; {device_name('cpu')}", flush=True)
 
     results = []
     tokenizer = prompts = None

@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 from common import (
-    RESULTS_DIR, TEXT_FILE, busy_warning, fmt, hf_generate_batch, hf_pad_id, load_hf, print_table, run_hf, write_report,
+    RESULTS_DIR, TEXT_FILE, busy_warning, device_name, fmt, hf_generate_batch, hf_pad_id, load_hf, print_table, run_hf,
+    write_report,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads:
         workloads[name] = prepare_requests(bench_config(args, name, "http://localhost", "-", model_path))
     print(f"model {model_path.name}; workloads {', '.join(args.workloads)}: {args.num_requests} requests, "
-          f"concurrency {args.concurrency}", flush=True)
+          f"concurrency {args.concurrency}; {device_name('cpu')}", flush=True)
 
     results: list[dict] = []
     server_info = None

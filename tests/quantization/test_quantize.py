@@ -35,6 +35,26 @@ def _outputs(llm):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in llm.generate(PROMPTS, GREEDY)]
 
 
+def _assert_same_outputs(got, expected):
+    """The same tokens, logprobs (and top-N logprobs) within 0.1%: the searched calibrations (AWQ's
+    and SmoothQuant's scale grids) score their candidates with oneDNN/MKL matmuls whose summation
+    order can differ between two runs in one process, and on near-ties pick a neighbouring grid
+    point (seen: logprobs ~-10 off by 4e-3 on an AVX-512 BF16 host)."""
+    def flat(outputs):
+        tokens, values = [], []
+        for token_ids, logprobs, prompt_logprobs in outputs:
+            tokens.append(token_ids)
+            for entry in logprobs:  # (the random tiny model's top-N hold near-ties: compared as values)
+                tokens.append(entry.token_id)
+                values += [entry.logprob, *sorted(v for _, v in entry.top)]
+            values += [p for p in prompt_logprobs if p is not None]
+        return tokens, torch.tensor(values)
+
+    (got_tokens, got_values), (expected_tokens, expected_values) = flat(got), flat(expected)
+    assert got_tokens == expected_tokens
+    torch.testing.assert_close(got_values, expected_values, atol=1e-4, rtol=1e-3)
+
+
 @pytest.mark.parametrize("method, algorithm", [("int4", "awq"), ("int4", "gptq"), ("w8a8", "smoothquant"), ("fp8", "rtn"), ("int8", "rtn")])
 def test_saved_checkpoint_computes_what_the_in_memory_quantization_does(tiny_qwen2_dir, tmp_path, method, algorithm):
     """On the tiny random Qwen2 (q/k/v biases, untied head): `tokenmill quantize` -> LLM(dir)
@@ -51,7 +71,7 @@ def test_saved_checkpoint_computes_what_the_in_memory_quantization_does(tiny_qwe
     in_memory = LLM(str(tiny_qwen2_dir), dtype="float32", kv_cache_memory_gb=0.05, quantization=method,
                     quantization_group_size=32, quantization_algorithm=algorithm, calibration="gpl3",
                     calibration_samples=4, calibration_seq_len=64)
-    assert _outputs(loaded) == _outputs(in_memory)
+    _assert_same_outputs(_outputs(loaded), _outputs(in_memory))
     with pytest.raises(ConfigError, match="already quantized"):
         LLM(str(out), quantization="int8")
 

@@ -87,5 +87,7 @@ def build_error(isa: str | None = None) -> str | None:
 
 
 def loadable_levels() -> list[str]:
-    """Every level this CPU executes, lowest first (the kernel tests run each)."""
-    return [isa for isa in cpu_isa.ISA_LEVELS if cpu_isa.runs_here(isa)]
+    """Every level this process runs (the CPU's, capped by TOKENMILL_CPU_ISA), lowest first: the
+    kernel tests run each."""
+    top = cpu_isa.ISA_LEVELS.index(cpu_isa.host_isa())
+    return list(cpu_isa.ISA_LEVELS[: top + 1])

@@ -24,6 +24,7 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenmill.layers.attention import BatchLayout
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, indexable
+from tokenmill.layers.cpu_isa import native_bf16
 from tokenmill.layers.linear import convert_linears
 from tokenmill.layers.sampler import Sampler, SamplingRow
 from tokenmill.models import build_model
@@ -92,7 +93,14 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_kernels and config.kv_cache_dtype != "fp8":
             from tokenmill.layers import cpu_kernels
 
-            self.cpu_kernels = cpu_kernels.load()
+            self.cpu_kernels = cpu_kernels.load(config.resolved_cpu_isa())
+        if self.device.type == "cpu":
+            isa = config.resolved_cpu_isa()
+            logger.info("CPU: instruction-set level %s (kernels %s), %s", isa,
+                        "on" if self.cpu_kernels is not None else "off", self.dtype)
+            if self.dtype == torch.bfloat16 and not native_bf16(isa):
+                logger.warning("dtype bfloat16 at CPU level %s (no native bf16): it runs, many times slower than "
+                               "float32 (dtype auto)", isa)
         t0 = time.perf_counter()
         self.model = self._load_model(checkpoint, config, max_model_len)
         # Speculative decoding with a draft model: its own KV cache, under the same block
