@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 // Each build targets one instruction-set level (layers/cpu_isa.py passes its -march flags and
 // TOKENMILL_ISA_NAME). The AVX-512 BF16 kernels are built where the compiler targets it; the
@@ -63,6 +64,23 @@ struct PagedLayout {
     max_blocks = block_tables.size(1);
   }
 };
+
+// The float of a bf16 given by its bits (a scale stored as bf16).
+inline float bf16_bits_to_float(uint16_t bits) {
+  return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+}
+
+// f(std::integral_constant<int, R>{}) for R = rows (1-4; more as 4): the row kernels take their
+// row count as a template argument.
+template <typename F>
+void with_row_count(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
 
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");

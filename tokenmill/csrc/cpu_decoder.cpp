@@ -24,7 +24,8 @@ namespace {
 namespace py = pybind11;
 
 // One linear of models/llama.py in a format of layers/linear.py, as its `cpu_decoder_spec()` gives it:
-// (kind, weight, scales, bias, input_scale, group_size_or_max_rows, kernel_codes, kernel_pairs).
+// (kind, weight, scales, bias, input_scale, group_size_or_max_rows, kernel_codes, kernel_pairs,
+// kernel_max_rows, gemm_min_rows): the layer decides its own row rule, the stack follows it.
 struct Linear {
   enum class Kind { kDense, kOneDnn, kInt8, kInt4 };
   Kind kind;
@@ -35,11 +36,12 @@ struct Linear {
   // The few-row kernel's weight: int4_linear's codes and pairs, int8_linear's codes, or
   // bf16_linear's plain weight.
   c10::optional<at::Tensor> kernel_codes, kernel_pairs;
-  int64_t kernel_max_rows = 0;  // the most rows for them (layers/linear.py KERNEL_MAX_ROWS)
-  int64_t gemm_min_rows = 0;  // int4: from how many rows int4_gemm runs (INT4_GEMM_MIN_ROWS)
+  int64_t kernel_max_rows = 0;  // the most rows for them (0: none; layers/linear.py kernel_rows)
+  int64_t gemm_min_rows = 0;  // int4: from how many rows int4_gemm runs
 
-  static Linear from_spec(const py::tuple& spec, int64_t kernel_max_rows, int64_t gemm_min_rows) {
-    TORCH_CHECK(spec.size() == 8, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, pairs)");
+  static Linear from_spec(const py::tuple& spec) {
+    TORCH_CHECK(spec.size() == 10, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, "
+                "pairs, kernel_max_rows, gemm_min_rows)");
     Linear l;
     const auto kind = spec[0].cast<std::string>();
     if (kind == "dense") {
@@ -58,8 +60,8 @@ struct Linear {
     if (!spec[3].is_none()) l.bias = spec[3].cast<at::Tensor>();
     if (!spec[4].is_none()) l.input_scale = spec[4].cast<at::Tensor>();
     l.param = spec[5].cast<int64_t>();
-    l.kernel_max_rows = kernel_max_rows;
-    l.gemm_min_rows = gemm_min_rows;
+    l.kernel_max_rows = spec[8].cast<int64_t>();
+    l.gemm_min_rows = spec[9].cast<int64_t>();
     if (!spec[6].is_none()) l.kernel_codes = spec[6].cast<at::Tensor>();
     if (!spec[7].is_none()) l.kernel_pairs = spec[7].cast<at::Tensor>();
     return l;
@@ -88,7 +90,7 @@ struct Linear {
       y = int4_gemm(xs.contiguous(), *kernel_codes, *kernel_pairs, param);
     } else if (kind == Kind::kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(bf16(), weight, param, scales);
-    } else if (kernel_codes && rows <= kernel_max_rows && (native_bf16() || xs.size(1) % 32 == 0)) {  // int8
+    } else if (kernel_codes && rows <= kernel_max_rows) {  // int8
       y = int8_linear(xs.contiguous(), *kernel_codes, scales);
     } else if (kernel_codes && rows > param) {  // Int8Linear above max_rows, with the kernels
       y = int8_gemm(xs.contiguous(), *kernel_codes, scales, c10::nullopt);
@@ -118,11 +120,9 @@ struct Layer {
 
 class DecoderStack {
  public:
-  // layers: per decoder layer (input_norm_weight, post_norm_weight, qkv, o, gate_up, down specs);
-  // kernel_max_rows: up to how many rows a linear with a few-row kernel runs it; gemm_min_rows:
-  // from how many rows an int4 linear with the kernels runs int4_gemm.
+  // layers: per decoder layer (input_norm_weight, post_norm_weight, qkv, o, gate_up, down specs).
   DecoderStack(const py::list& layers, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               int64_t intermediate_size, double scale, int64_t kernel_max_rows, int64_t gemm_min_rows)
+               int64_t intermediate_size, double scale)
       : eps_(eps),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
@@ -132,7 +132,7 @@ class DecoderStack {
     for (const auto& item : layers) {
       const auto t = item.cast<py::tuple>();
       TORCH_CHECK(t.size() == 6, "a layer is (input_norm, post_norm, qkv, o, gate_up, down)");
-      const auto linear = [&](int i) { return Linear::from_spec(t[i], kernel_max_rows, gemm_min_rows); };
+      const auto linear = [&](int i) { return Linear::from_spec(t[i]); };
       layers_.push_back(Layer{t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), linear(2), linear(3), linear(4), linear(5)});
     }
   }
@@ -203,11 +203,9 @@ class DecoderStack {
 
 void bind_decoder_stack(py::module& m) {
   py::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decoder's layers for a step's tokens (CPU)")
-      .def(py::init<const py::list&, double, int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t>(),
-           py::arg("layers"),
+      .def(py::init<const py::list&, double, int64_t, int64_t, int64_t, int64_t, double>(), py::arg("layers"),
            py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("intermediate_size"), py::arg("scale"), py::arg("kernel_max_rows"),
-           py::arg("gemm_min_rows"))
+           py::arg("intermediate_size"), py::arg("scale"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("kv_caches"), py::arg("prefill") = py::none(),
            py::call_guard<py::gil_scoped_release>());

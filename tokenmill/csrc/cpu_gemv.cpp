@@ -26,7 +26,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
@@ -171,10 +170,7 @@ void int8_rows(const float* xf, const int8_t* codes, const uint16_t* scales, at:
     for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + i * 16), acc[m][j]);
   };
   dot_rows<M>(K / 16, begin, end, step, [&](int64_t n, int m, float sum) {
-    const uint32_t bits = static_cast<uint32_t>(scales[n]) << 16;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    y[m * N + n] = static_cast<at::BFloat16>(sum * scale);
+    y[m * N + n] = static_cast<at::BFloat16>(sum * tokenmill::bf16_bits_to_float(scales[n]));
   });
 }
 
@@ -183,12 +179,7 @@ void int8_rows(const float* xf, const int8_t* codes, const uint16_t* scales, at:
 template <typename Rows>
 void for_output_rows(int64_t M, int64_t N, const Rows& rows) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: rows(std::integral_constant<int, 1>{}, begin, end); break;
-      case 2: rows(std::integral_constant<int, 2>{}, begin, end); break;
-      case 3: rows(std::integral_constant<int, 3>{}, begin, end); break;
-      default: rows(std::integral_constant<int, 4>{}, begin, end); break;
-    }
+    tokenmill::with_row_count(M, [&](auto m) { rows(m, begin, end); });
   });
 }
 
@@ -422,7 +413,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
 #if defined(TOKENMILL_AVX512_BF16)
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-  const at::Tensor xf = x.to(at::kBFloat16).to(at::kFloat);
+  const at::Tensor xf = as_kernel_dtype(x).to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());

@@ -24,7 +24,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 namespace tokenmill::avx2 {
@@ -32,15 +31,9 @@ namespace {
 
 constexpr int64_t kBlock = 32;   // activation values per int8 scale
 constexpr int64_t kTileRows = 4;  // rows of x per few-row pass and per many-row tile
+static_assert(kTileRows == 4, "with_row_count (cpu_common.h) dispatches 1-4 rows");
 constexpr int64_t kTileCols = 3;  // output channels per many-row tile
 constexpr int64_t kPanel = 24;    // output channels widened to fp32 at a time (a multiple of kTileCols)
-
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -166,12 +159,7 @@ void for_rows_and_channels(int64_t M, int64_t N, const Rows& rows) {
     for (int64_t n0 = begin; n0 < end; n0 += 8) {
       const int64_t n1 = std::min(end, n0 + 8);
       for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-        switch (std::min<int64_t>(M - r0, kTileRows)) {
-          case 1: rows(std::integral_constant<int, 1>{}, r0, n0, n1); break;
-          case 2: rows(std::integral_constant<int, 2>{}, r0, n0, n1); break;
-          case 3: rows(std::integral_constant<int, 3>{}, r0, n0, n1); break;
-          default: rows(std::integral_constant<int, 4>{}, r0, n0, n1); break;
-        }
+        with_row_count(M - r0, [&](auto r) { rows(r, r0, n0, n1); });
       }
     }
   });

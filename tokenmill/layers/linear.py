@@ -90,11 +90,14 @@ class DenseLinear(nn.Module):
 
     def cpu_decoder_spec(self) -> tuple | None:
         """This layer for the compiled `DecoderStack` (csrc/cpu_decoder.cpp), which runs the same
-        kernels: (kind, weight, scales, bias, input_scale, param, kernel weight, kernel pairs),
-        the last two the few-row kernel's (`bf16_linear`: the plain weight; `int4_linear`:
-        Int4Linear's codes and pairs), else None; None where it cannot."""
+        kernels by the same row rule: (kind, weight, scales, bias, input_scale, param, kernel
+        weight, kernel pairs, kernel_max_rows, gemm_min_rows); the kernel weight and pairs are
+        the few-row kernel's (`bf16_linear`: the plain weight; `int4_linear`: Int4Linear's codes
+        and pairs) or None, up to kernel_max_rows rows (0: none); gemm_min_rows: from how many
+        rows int4_gemm runs. None where it cannot."""
         return ("onednn" if self.packed else "dense", self.weight, None, self.bias, None, 0,
-                self.plain if self.kernel is not None else None, None)
+                self.plain if self.kernel is not None else None, None,
+                KERNEL_MAX_ROWS if self.kernel is not None else 0, 0)
 
 
 class QuantizedLinear(nn.Module):
@@ -167,7 +170,7 @@ class Int8Linear(QuantizedLinear):
 
     def cpu_decoder_spec(self):
         return ("int8", self.codes, self.scales, self.bias, self.input_scale, self.max_rows,
-                self.codes if self.kernel is not None else None, None)
+                self.codes if self.kernel is not None else None, None, self.kernel_max_rows, 0)
 
 
 class Int4Linear(QuantizedLinear):
@@ -231,7 +234,8 @@ class Int4Linear(QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm(xb.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
     def cpu_decoder_spec(self):
-        kernel = (self.kernel_codes, self.kernel_pairs) if self.kernel is not None else (None, None)
+        kernel = ((self.kernel_codes, self.kernel_pairs, self.kernel_max_rows, self.gemm_min_rows)
+                  if self.kernel is not None else (None, None, 0, 0))
         return ("int4", self.packed, self.scales_and_zeros, self.bias, self.input_scale, self.group_size, *kernel)
 
 

@@ -15,7 +15,6 @@ from torch import nn
 
 from tokenmill.layers.attention import AttentionBackend, prefill_kernel_takes
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import kernel_rows
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.loader import ModelArchConfig
 
@@ -146,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
             specs.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *linears))
         c, attn = self.config, self.layers[0].self_attn
         self.cpu_decoder = kernels.DecoderStack(specs, self.norm.eps, c.num_attention_heads, c.num_key_value_heads,
-                                                c.head_dim, c.intermediate_size, attn.scale, *kernel_rows(kernels))
+                                                c.head_dim, c.intermediate_size, attn.scale)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

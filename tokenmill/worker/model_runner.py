@@ -90,12 +90,12 @@ class ModelRunner:
         # the torch backend), or None: not on the CPU, turned off, an fp8 KV cache (the decode kernel reads
         # the compute dtype or int8 codes), or they could not be built.
         self.cpu_kernels = None
-        if self.device.type == "cpu" and config.cpu_kernels and config.kv_cache_dtype != "fp8":
-            from tokenmill.layers import cpu_kernels
-
-            self.cpu_kernels = cpu_kernels.load(config.resolved_cpu_isa())
         if self.device.type == "cpu":
             isa = config.resolved_cpu_isa()
+            if config.cpu_kernels and config.kv_cache_dtype != "fp8":
+                from tokenmill.layers import cpu_kernels
+
+                self.cpu_kernels = cpu_kernels.load(isa)
             logger.info("CPU: instruction-set level %s (kernels %s), %s", isa,
                         "on" if self.cpu_kernels is not None else "off", self.dtype)
             if self.dtype == torch.bfloat16 and not native_bf16(isa):
