@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.cpu_isa import host_isa, onednn_bf16
 from tokenmill.layers.linear import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, convert_linears, fp8_gemm_supported
 from tokenmill.quantization.formats import (
     dequantize_int4,
@@ -142,7 +143,9 @@ def test_dense_linear_matches_f_linear(dtype):
     w = _weight().to(dtype)
     bias = torch.randn(w.shape[0]).to(dtype)
     layer = DenseLinear(w, bias)
-    assert layer.packed == (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available())
+    # oneDNN's packed bf16 weight where oneDNN computes bf16 (AVX-512), F.linear below
+    assert layer.packed == (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                            and onednn_bf16(host_isa()))
     for rows in (1, 7, 300):
         x = torch.randn(rows, w.shape[1]).to(dtype)
         with torch.inference_mode():
@@ -167,6 +170,21 @@ def test_w8a8_linear_is_the_int8_product_of_quantized_rows_and_weight(rows, dtyp
     # and close to the full-precision product: each operand is within half a step of int8
     full = F.linear(x.float() * record["input_scale"], w, bias)
     assert (out.float() - full).abs().max() <= 0.05 * full.abs().max()
+
+
+def test_w8a8_linear_below_vnni_multiplies_the_codes_in_fp32(monkeypatch):
+    """Below avx512_bf16 (no VNNI) oneDNN's int8 matmul saturates its int16 pair sums: the layer
+    multiplies the same codes in fp32 and matches the exact integer product."""
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    w = _weight()
+    x = torch.randn(5, w.shape[1]) * 2
+    record = record_from_rtn("w8a8", w, 32)
+    layer = W8A8Linear(record, None)
+    assert layer.float_codes_t is not None
+    xq, xs = quantize_rows_int8(x)
+    exact = (xq.long() @ record["codes"].long().t()).float() * xs * record["scales"]
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), exact, rtol=1e-6, atol=1e-5)
 
 
 def test_fp8_linear_on_cpu_widens_the_weight():

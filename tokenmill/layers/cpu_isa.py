@@ -97,6 +97,13 @@ def native_bf16(isa: str) -> bool:
     return isa == "avx512_bf16"
 
 
+def onednn_int8_exact(isa: str) -> bool:
+    """Whether oneDNN's int8 x int8 matmul (`torch._int_mm` on CPU) is exact at `isa`. It needs
+    VNNI, which every avx512_bf16 CPU has; without it oneDNN multiplies with vpmaddubsw on codes
+    shifted to unsigned, and the int16 pair sums saturate (wrong results, not a rounding)."""
+    return isa == "avx512_bf16"
+
+
 def onednn_bf16(isa: str) -> bool:
     """Whether oneDNN's bf16 matmul (and weight pre-packing) runs at `isa`: it needs AVX-512
     BW/VL/DQ (or AVX-NE-CONVERT, which no level here has)."""

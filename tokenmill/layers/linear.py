@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
-from tokenmill.layers.cpu_isa import host_isa, onednn_bf16
+from tokenmill.layers.cpu_isa import host_isa, onednn_bf16, onednn_int8_exact
 from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_rows_int8, unpack_int4
 
 
@@ -241,7 +241,10 @@ class Int4Linear(QuantizedLinear):
 
 class W8A8Linear(QuantizedLinear):
     """int8 weights (per output channel) times int8 activations (per token, quantized on the
-    fly), accumulated in int32 by `torch._int_mm`, rescaled to fp32."""
+    fly), accumulated in int32 by `torch._int_mm`, rescaled to fp32. On a CPU below avx512_bf16
+    (no VNNI) oneDNN's int8 matmul saturates, so the codes are kept as fp32 and multiplied in
+    fp32 instead: the same integer products, no memory saving (weight-only int8 is the fast
+    format there)."""
 
     def __init__(self, record, bias):
         super().__init__(record, bias, torch.float32)
@@ -250,9 +253,14 @@ class W8A8Linear(QuantizedLinear):
         self.scales = record["scales"].float()
         # CUDA's _int_mm wants more than 16 rows: decode batches are padded up to that.
         self.min_rows = 17 if self.codes_t.device.type == "cuda" else 1
+        self.float_codes_t = None
+        if self.codes_t.device.type == "cpu" and not onednn_int8_exact(host_isa()):
+            self.float_codes_t = self.codes_t.float()
 
     def _matmul(self, x):
         codes, row_scales = quantize_rows_int8(x)
+        if self.float_codes_t is not None:
+            return (codes.float() @ self.float_codes_t) * row_scales * self.scales
         rows = codes.shape[0]
         if rows < self.min_rows:
             codes = F.pad(codes, (0, 0, 0, self.min_rows - rows))
