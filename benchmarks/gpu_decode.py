@@ -38,7 +38,7 @@ from common import (
 )
 
 DEFAULT_OUTPUT = RESULTS_DIR / "gpu_decode.json"
-DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # issue 9's model, used when tokenmill has this alias
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # the GPU figures' model, used when tokenmill has this alias
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9's GPU measurements, one stage per call on a GPU machine without network (the runbook in
+# The GPU measurements, one stage per call on a GPU machine without network (the runbook in
 # benchmarks/README.md). Run from the checkout there; results and logs go to $OUT (default
 # ./gpu-out). Pieces of the kit (benchmarks/gpu_kit.py pack .gpukit --qwen) arrive in .gpukit/pNN.
 #

@@ -25,7 +25,7 @@ once per backend, each a fresh engine, and the backends are compared too.
     python benchmarks/offline_throughput.py                       # 64 requests, 32:512 in, 32:256 out
     python benchmarks/offline_throughput.py --num-requests 4 --input-len 16:32 --output-len 8:16 --hf-batch-size 2
     python benchmarks/offline_throughput.py --synthetic qwen2.5-1.5b --num-requests 256 --input-len 100:1024 \
-        --output-len 100:1024 --hf-batch-size 64 --attention-backends torch,triton      # issue 9, on the GPU
+        --output-len 100:1024 --hf-batch-size 64 --attention-backends torch,triton      # the GPU workload
 """
 
 from __future__ import annotations
