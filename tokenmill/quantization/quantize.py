@@ -65,25 +65,24 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclude_gsm8k: set[int] = frozenset(),
-                   cpu_kernels=None) -> dict[str, dict[str, torch.Tensor]]:
+def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None,
+                   exclude_gsm8k: set[int] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
     """Swap every nn.Linear of `model` (loaded, on its device; fp32 for the best records) that
     has a method for its quantized layer, calibrating first when the algorithm needs it (then
     `tokenizer` is required). Returns the records by linear name (what a checkpoint stores).
     The quantized layers keep their records as they are when the model is later cast to the
-    compute dtype (only their bias follows). `cpu_kernels`: see build_linear; the layers built
-    during calibration (which runs the layers quantized so far) get them only once every
-    calibrated record is made, so that the records are the same with or without them, as
-    `tokenmill quantize` computes them."""
+    compute dtype (only their bias follows). The layers are built without the compiled CPU kernels
+    (calibration runs the layers quantized so far): quantized_tensors hands the records to a
+    model built for running."""
     names = linear_names(model)
     records = {}
 
-    def quantize(name: str, stats, kernels=None) -> None:
+    def quantize(name: str, stats) -> None:
         linear, method = model.get_submodule(name), qconfig.method_of(name)
         bias = None if linear.bias is None else linear.bias.detach()
         record = _record(method, qconfig, linear.weight.detach(), stats)
         records[name] = {k: v.to(linear.weight.device) for k, v in record.items()}
-        _replace(model, name, build_linear(method, records[name], bias, kernels))
+        _replace(model, name, build_linear(method, records[name], bias))
 
     t0 = time.perf_counter()
     if qconfig.algorithm != "rtn":
@@ -91,15 +90,11 @@ def quantize_model(model: nn.Module, qconfig: QuantConfig, tokenizer=None, exclu
         sequences = calibration.calibration_sequences(texts, tokenizer, qconfig.calibration_samples, qconfig.calibration_seq_len)
         calibrated = [n for n in names if qconfig.method_of(n) == qconfig.method and n != LM_HEAD]
         calibration.quantize_sequentially(model, sequences, calibrated, quantize)
-        if cpu_kernels is not None:
-            for name in calibrated:
-                _replace(model, name, build_linear(qconfig.method, records[name], model.get_submodule(name).bias,
-                                                   cpu_kernels))
         _log.info("calibrated %d linear layers (%s) on %d windows of %d tokens from %s in %.1f s", len(calibrated),
                   qconfig.algorithm, len(sequences), qconfig.calibration_seq_len, qconfig.calibration, time.perf_counter() - t0)
     for name in names:
         if name not in records and qconfig.method_of(name) is not None:  # else it stays an nn.Linear
-            quantize(name, None, cpu_kernels)  # (`convert_linears` makes it dense in the compute dtype)
+            quantize(name, None)
     _log.info("quantized %d linear layers (%s, %s) in %.1f s", len(records), qconfig.method, qconfig.algorithm, time.perf_counter() - t0)
     return records
 
@@ -133,36 +128,45 @@ def quantize_checkpoint(checkpoint, qconfig: QuantConfig, directory: Path, save_
                         exclude_gsm8k: set[int] = frozenset()) -> float:
     """Quantize a loaded (unquantized) checkpoint on the CPU in fp32 and write it to `directory`
     (`save_quantized`); the tensors left dense are stored in `save_dtype`. Returns the seconds taken."""
-    from tokenmill.models import build_model
-
     t0 = time.perf_counter()
-    model = build_model(checkpoint, qconfig.calibration_seq_len, torch.float32)
-    model.load_weights(checkpoint.weights())
-    model.eval()
-    linears = set(linear_names(model))
-    state = {n: p.detach().to(save_dtype, copy=True) for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
-    biases = {n: model.get_submodule(n).bias.detach().clone() for n in linears if model.get_submodule(n).bias is not None}
-    records = quantize_model(model, qconfig, checkpoint.tokenizer, exclude_gsm8k=exclude_gsm8k)
+    tensors = quantized_tensors(checkpoint, qconfig, torch.device("cpu"), save_dtype, exclude_gsm8k)
     extra = {} if qconfig.algorithm == "rtn" else {"quantize_seconds": round(time.perf_counter() - t0, 1)}
-    save_quantized(directory, state, records, biases, qconfig, checkpoint, extra)
+    save_quantized(directory, tensors, qconfig, checkpoint, extra)
     return time.perf_counter() - t0
 
 
-def save_quantized(directory: Path, dense_state: dict[str, torch.Tensor],
-                   records: dict[str, dict[str, torch.Tensor]], biases: dict[str, torch.Tensor],
-                   qconfig: QuantConfig, checkpoint, extra: dict | None = None) -> None:
-    """Write a quantized checkpoint. `dense_state`: the model's non-linear parameters (and the
-    weights of linears left dense) by name, taken before quantization; `biases` by linear name."""
-    from safetensors.torch import save_file
+def quantized_tensors(checkpoint, qconfig: QuantConfig, device: torch.device, dense_dtype: torch.dtype,
+                      exclude_gsm8k: set[int] = frozenset()) -> dict[str, torch.Tensor]:
+    """A quantized checkpoint's tensors by name (what `load_quantized_weights` reads), on the CPU:
+    the linears' records and biases, everything else in `dense_dtype`. Quantized from the fp32
+    weights, calibrated on `device` with PyTorch's ops only (no compiled kernels), so the records
+    are the same wherever and however the model later runs."""
+    from tokenmill.models import build_model
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in dense_state.items()}
+    model = build_model(checkpoint, qconfig.calibration_seq_len, torch.float32)
+    model.load_weights(checkpoint.weights())
+    model.to(device=device).eval()
+    linears = set(linear_names(model))
+    tensors = {n: p.detach().to(device="cpu", dtype=dense_dtype, copy=True).contiguous()
+               for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
+    biases = {n: model.get_submodule(n).bias.detach().cpu().float().contiguous()
+              for n in linears if model.get_submodule(n).bias is not None}
+    records = quantize_model(model, qconfig, checkpoint.tokenizer, exclude_gsm8k=exclude_gsm8k)
     for linear, record in records.items():
         for key, t in record.items():
             tensors[f"{linear}.{key}"] = t.detach().cpu().contiguous()
         if linear in biases:
-            tensors[f"{linear}.bias"] = biases[linear].detach().cpu().float().contiguous()
+            tensors[f"{linear}.bias"] = biases[linear]
+    return tensors
+
+
+def save_quantized(directory: Path, tensors: dict[str, torch.Tensor], qconfig: QuantConfig, checkpoint,
+                   extra: dict | None = None) -> None:
+    """Write a quantized checkpoint: `tensors` (quantized_tensors), its config and tokenizer."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = _hf_config_dict(checkpoint.config)
     config["quantization_config"] = {

@@ -30,7 +30,7 @@ from tokenmill.layers.sampler import Sampler, SamplingRow
 from tokenmill.models import build_model
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
 from tokenmill.models.registry import resolve_model
-from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantize_model
+from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantized_tensors
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
@@ -144,24 +144,23 @@ class ModelRunner:
 
     def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
         qconfig = QuantConfig.from_engine(config)
+        model = build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels)
         if checkpoint.quantization is not None:  # written by `tokenmill quantize`
             if qconfig is not None:
                 raise ConfigError("quantization", f"{checkpoint.source} is already quantized "
                                   f"({checkpoint.quantization.get('method')}); leave quantization unset")
-            model = build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels)
-            qconfig = quant_config_from_checkpoint(checkpoint.quantization)
-            load_quantized_weights(model, dict(checkpoint.weights()), qconfig, self.device, self.dtype, self.cpu_kernels)
-            return model.eval()
-        model = build_model(checkpoint, max_model_len, torch.float32 if qconfig else self.dtype, self.attention_backend,
-                            self.cpu_kernels)
-        model.load_weights(checkpoint.weights())
-        if qconfig is not None:
-            # Quantized from the checkpoint's fp32 weights and calibrated in fp32, exactly what
-            # `tokenmill quantize` writes; only then does the rest go to the compute dtype.
-            quantize_model(model.to(device=self.device).eval(), qconfig, checkpoint.tokenizer, cpu_kernels=self.cpu_kernels)
-        model = model.to(device=self.device, dtype=self.dtype).eval()
-        convert_linears(model, self.cpu_kernels)  # whatever is still an nn.Linear
-        return model
+            tensors, qconfig = dict(checkpoint.weights()), quant_config_from_checkpoint(checkpoint.quantization)
+        elif qconfig is not None:
+            # Exactly the tensors `tokenmill quantize` writes (quantized from the fp32 weights,
+            # calibrated in fp32 with PyTorch's ops), then loaded as a saved checkpoint is.
+            tensors = quantized_tensors(checkpoint, qconfig, self.device, torch.float32)
+        else:
+            model.load_weights(checkpoint.weights())
+            model = model.to(device=self.device, dtype=self.dtype).eval()
+            convert_linears(model, self.cpu_kernels)  # whatever is still an nn.Linear
+            return model
+        load_quantized_weights(model, tensors, qconfig, self.device, self.dtype, self.cpu_kernels)
+        return model.eval()
 
     def _load_draft(self, config: EngineConfig, target: LoadedCheckpoint, max_model_len: int):
         draft = load_checkpoint(resolve_model(config.draft_model))
