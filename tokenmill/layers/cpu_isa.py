@@ -34,12 +34,15 @@ _LEVEL_FLAGS = {
     "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl"},
     "avx512_bf16": {"avx512_bf16"},
 }
-# Compiler flags per level (g++); -mtune only schedules, so any host of a level runs its build.
+# Compiler flags per level (g++). -march is the level's, so the build runs on every CPU of the
+# level; -mtune=native only schedules (and picks vector widths) for the machine that builds it,
+# as -march=native would: tuning changes which reductions vectorize, and with them the
+# last bits of bf16 results.
 _LEVEL_CFLAGS = {
     "generic": [],
-    "avx2": ["-march=x86-64-v3", "-mtune=generic"],
-    "avx512": ["-march=x86-64-v4", "-mtune=generic", "-mprefer-vector-width=512"],
-    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mtune=generic", "-mprefer-vector-width=512"],
+    "avx2": ["-march=x86-64-v3", "-mtune=native"],
+    "avx512": ["-march=x86-64-v4", "-mtune=native"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"],
 }
 
 
