@@ -25,7 +25,10 @@ from tokenmill.bench.load import LoadPattern, run_load
 from tokenmill.bench.metrics import parse_percentiles, parse_slos, summarize
 
 APIS = ("auto", "chat", "completions")
+# The "kind" field of a result file. Both kinds are defined here, which sweep and plot import,
+# so that plot (reading either kind) does not import sweep, which draws with plot.
 RESULT_KIND = "tokenmill-bench-serve"
+SWEEP_KIND = "tokenmill-bench-sweep"
 
 
 class BenchError(ValueError):

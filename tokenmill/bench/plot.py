@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenmill.bench.benchmark import RESULT_KIND, BenchError
-from tokenmill.bench.sweep import SWEEP_KIND
+from tokenmill.bench.benchmark import RESULT_KIND, SWEEP_KIND, BenchError
 
 PANELS = (("ttft_ms", "ttft", "TTFT"), ("tpot_ms", "tpot", "TPOT"))
 

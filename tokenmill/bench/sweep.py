@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 
-from tokenmill.bench.benchmark import BenchConfig, BenchError, discover_server, prepare_requests, run_benchmark
+from tokenmill.bench.benchmark import (
+    SWEEP_KIND, BenchConfig, BenchError, discover_server, prepare_requests, run_benchmark,
+)
 
-SWEEP_KIND = "tokenmill-bench-sweep"
+__all__ = ["LOAD_KINDS", "SWEEP_KIND", "main_sweep", "parse_loads", "run_sweep"]
+
 LOAD_KINDS = ("concurrency", "request_rate")
 
 

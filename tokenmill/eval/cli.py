@@ -1,6 +1,6 @@
 """`tokenmill eval ppl|gsm8k [engine flags] MODEL`: one accuracy measurement of one engine config.
 
-`tokenmill --help` imports this module: it imports only the standard library and tokenmill.cli;
+`tokenmill --help` imports this module: it imports only the standard library and the engine flags;
 each command imports the engine when it runs.
 """
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenmill.cli import add_engine_args, engine_config_from_args
+from tokenmill.engine_args import add_engine_args, engine_config_from_args
 
 
 def _positive_int(text: str) -> int:

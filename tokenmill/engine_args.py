@@ -1,0 +1,116 @@
+"""The engine flags: one per `EngineConfig` field, shared by every command that builds an engine
+(`generate`, `serve`, `eval`). It imports only the config, so a command module can take these
+flags without importing `tokenmill.cli`, which gathers the commands and imports those modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from tokenmill.config import (
+    ATTENTION_BACKENDS, CPU_KV_CACHE_MEMORY_GB, DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS,
+    QUANTIZATION_METHODS, SPECULATIVE_METHODS,
+    EngineConfig,
+)
+from tokenmill.layers.cpu_isa import ISA_LEVELS
+from tokenmill.quantization.cli import add_calibration_args
+
+_DEFAULTS = EngineConfig()
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for every EngineConfig field (shared by every command that builds an engine)."""
+    d = _DEFAULTS
+    parser.add_argument("model", nargs="?", default=d.model,
+                        help=f"model alias, .gguf file or Hugging Face directory (default: {d.model})")
+    parser.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                        help="compute dtype; auto = bf16 on CPUs with native bf16 and on CUDA, else fp32 (default: auto)")
+    parser.add_argument("--device", choices=DEVICES, default=d.device, help="device (default: auto = cuda if available)")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
+                        help="attention over the paged KV cache: torch (PyTorch ops, any device) or triton (Triton "
+                             "kernels: split-K paged decode, flash-style prefill; CUDA) (default: auto = triton on "
+                             "CUDA when Triton is installed, else torch)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: do not capture CUDA graphs of decode steps (captured by default with the triton "
+                             "attention backend, at batch sizes 1, 2, 4, 8, 16, ... up to min(--max-num-seqs, 256))")
+    parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                        help="CPU: PyTorch ops only, not tokenmill's compiled CPU kernels (paged decode and prefill "
+                             "attention, RMSNorm, RoPE + KV store, few-row and quantized matmuls, and the decoder "
+                             "layers of a step in one compiled call; built with g++ at first use and cached, ~30 s "
+                             "once; default: used when they build, except with --kv-cache-dtype fp8)")
+    parser.add_argument("--cpu-isa", choices=("auto", *ISA_LEVELS), default=d.cpu_isa,
+                        help="CPU: the instruction-set level of the compiled kernels: generic, avx2 (x86-64-v3: int8 "
+                             "activations times int8/int4 weights), avx512 (x86-64-v4), avx512_bf16 (bf16 dot products); "
+                             "a lower level than the host's runs that level's code. auto = the host's, capped by the "
+                             "TOKENMILL_CPU_ISA environment variable (default: auto)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
+                        help="quantize the linear layers on load: int8 (weight-only, per output channel), int4 "
+                             "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "
+                             "activations), fp8 (E4M3 weights; on CPU a storage format); the LM head is weight-only int8 "
+                             "in all. Not for a checkpoint from `tokenmill quantize`, which is already quantized "
+                             "(default: none)")
+    parser.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=d.quantization_group_size,
+                        help="input channels per int4 scale/zero group; a layer it does not divide takes the largest of "
+                             f"64, 32 that does (default: {d.quantization_group_size})")
+    parser.add_argument("--quantization-algorithm", choices=tuple(QUANTIZATION_ALGORITHMS), default=d.quantization_algorithm,
+                        help="how --quantization chooses the codes: rtn (round-to-nearest), awq or gptq (int4, calibrated), "
+                             "smoothquant (w8a8, calibrated); calibration runs at start-up (default: rtn)")
+    add_calibration_args(parser)
+    parser.add_argument("--num-threads", type=int, default=d.num_threads,
+                        help="CPU threads for torch (default: number of physical cores)")
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                        help="longest prompt + output per request (default: the model's context length)")
+    parser.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV-cache block (default: {d.block_size})")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb,
+                        help=f"memory for the KV cache in GiB (default: auto = {CPU_KV_CACHE_MEMORY_GB:g} GiB on CPU; on "
+                             "CUDA what --gpu-memory-utilization leaves after the weights and a profiled worst-case step)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="CUDA, without --kv-cache-memory-gb / --num-kv-blocks: the fraction of the GPU's memory, in "
+                             "(0, 1], that may be in use once the KV cache is allocated; weights, peak activations, the "
+                             "CUDA context and other processes' memory count against it, the KV cache gets the rest "
+                             f"(default: {d.gpu_memory_utilization:g})")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                        help="what the KV cache stores: auto = the compute dtype; int8 / fp8 (e4m3) = codes with one "
+                             "float32 scale per token and KV head, quantized on write, ~1.9x the blocks of bf16 for "
+                             "the same --kv-cache-memory-gb (default: auto)")
+    parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+                        help="number of KV-cache blocks, overriding --kv-cache-memory-gb and --gpu-memory-utilization")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="do not share KV blocks of equal prompt prefixes between requests")
+    parser.add_argument("--swap-space", dest="swap_space_gb", type=float, default=d.swap_space_gb,
+                        help="host memory in GiB for swapping out preempted requests' KV blocks, 0 = always "
+                             f"recompute (default: {d.swap_space_gb:g})")
+    parser.add_argument("--num-host-kv-blocks", type=int, default=d.num_host_kv_blocks,
+                        help="number of host KV blocks, overriding --swap-space")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help=f"token budget of one engine step (default: {d.max_num_batched_tokens})")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                        help=f"most requests running at once (default: {d.max_num_seqs})")
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                        help="schedule each prompt whole instead of in chunks")
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the shared sampler generator (default: {d.seed})")
+    parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=d.speculative_method,
+                        help="speculative decoding: ngram = prompt lookup, drafts copied from earlier in the request's "
+                             "own tokens; draft = a small model (--draft-model) proposes them; the output distribution "
+                             "is unchanged (default: off)")
+    parser.add_argument("--draft-model", default=d.draft_model,
+                        help="with --speculative-method draft: the draft model (alias, .gguf or HF directory), same "
+                             "vocabulary as MODEL")
+    parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                        help=f"most draft tokens a request verifies per step (default: {d.num_speculative_tokens})")
+    parser.add_argument("--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+                        help=f"ngram: shortest suffix to look up (default: {d.speculative_ngram_min})")
+    parser.add_argument("--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+                        help=f"ngram: longest suffix to look up; the longest match wins (default: {d.speculative_ngram_max})")
+    parser.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                        help="always verify up to --num-speculative-tokens drafts instead of adapting each request's "
+                             "draft length to its recent acceptance")
+    parser.add_argument("--speculative-max-running", type=int, default=d.speculative_max_running,
+                        help="no speculation in a step while more requests than this are running or waiting "
+                             f"(default: {d.speculative_max_running})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
