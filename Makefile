@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup run test test-core bench
+.PHONY: setup run test test-core bench docs
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,3 +25,8 @@ test-core: setup
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
+
+# the flag reference (docs/cli.md) from the argparse parsers, the benchmark tables from benchmarks/published/
+docs: setup
+	$(PY) scripts/cli_reference.py
+	$(PY) scripts/bench_tables.py

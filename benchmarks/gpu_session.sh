@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements, one stage per call on a GPU machine without network (the runbook in
-# benchmarks/README.md). Run from the checkout there; results and logs go to $OUT (default
+# docs/benchmarks.md). Run from the checkout there; results and logs go to $OUT (default
 # ./gpu-out). Pieces of the kit (benchmarks/gpu_kit.py pack .gpukit --qwen) arrive in .gpukit/pNN.
 #
 #   bash benchmarks/gpu_session.sh piece 01      # copy .gpukit/p01 into /tmp/kit, assemble what is complete

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Accuracy and speed of every quantization of one model, side by side: the table of the README.
+"""Accuracy and speed of every quantization of one model, side by side: the table of docs/quantization.md.
 
 Each config is one row of `tokenmill quantize`'s accuracy report (`tokenmill.quantization.report`):
 GPL-3 perplexity (the whole text unless `--ppl-max-windows`), greedy exact match on the same

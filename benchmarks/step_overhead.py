@@ -19,7 +19,7 @@ steps in which all N requests decode (N tokens scheduled, none of them prompt to
       core other   core.step - schedule - execute_model - update
       output       engine.step - core.step (detokenize, RequestOutputs)
 
-Target (the issue): overhead <= 10% of the step at 64 running requests.
+Target: overhead <= 10% of the step at 64 running requests.
 
 Hugging Face (`--skip-hf` to leave out): a static batch of the same N prompts through `generate`
 (max_new_tokens = min_new_tokens = `--output-len`), its `forward` timed (the logits included: HF

@@ -18,8 +18,8 @@ def keep_large_allocations_in_heap(threshold_bytes: int = 1 << 30) -> bool:
 
     By default glibc maps allocations above 32 MiB (less before its threshold adapts) straight
     from the kernel and unmaps them on free, so each step's activations and gathered KV are
-    page-faulted in anew: a 4x slowdown of the decode gather at 64 sequences in fp32
-    (benchmarks/README.md). Raising the mmap and trim thresholds keeps freed memory in the
+    page-faulted in anew: a 4x slowdown of the decode gather at 64 sequences in fp32.
+    Raising the mmap and trim thresholds keeps freed memory in the
     heap for reuse; the price is that the process holds on to its peak working set, which a
     server does anyway. A no-op where glibc is not the allocator."""
     global _done
