@@ -8,7 +8,7 @@ rotated together). Timed, alternating, in this process:
 
     kernel  paged_prefill_attention (tokenmill/csrc/cpu_prefill.cpp), every chunk of the step in
             one call, as the torch backend calls it with the CPU kernels
-    sdpa    the torch backend's own path before the kernel: for a fresh prompt, causal
+    sdpa    the torch backend's own path where the kernel does not run: for a fresh prompt, causal
             F.scaled_dot_product_attention on the chunk's own K/V (GQA as zero-stride views)
 
 `--context N` puts N tokens of earlier context before the prompt (a chunk after a prefix-cache
@@ -94,7 +94,7 @@ def one_length(kernels, args, q_len: int) -> dict:
                                         key=own_k, value=own_v)
         return out
 
-    def sdpa():  # the torch backend's path before the kernel
+    def sdpa():  # the torch backend's path where the kernel does not run
         if args.context == 0:  # a fresh prompt: its own K/V
             return TorchAttentionBackend._prefill(query, own_k, own_v, 0, scale)
         k, v = (x.flatten(0, 1)[:seq_len] for x in _gather(cache, order, torch.bfloat16))  # blocks gathered, a mask
