@@ -1,6 +1,8 @@
-"""The CPU kernels' quantized matmuls against fp32 F.linear at one instruction-set level, over four
-of the default model's matrix shapes (qkv, o, gate_up, down): summed microseconds per call at
-several row counts. Prints a table and writes JSON.
+"""The CPU kernels' quantized matmuls against fp32 F.linear at one instruction-set level, over the
+default model's four matrix shapes (qkv, o, gate_up, down) in `--layers` copies (30 as in the
+model, so the weights stream from memory as in a decode step; 1 keeps them in cache): microseconds
+per layer at several row counts, and at 1 row the weight bytes read per second. Prints a table
+and writes JSON.
 
     TOKENMILL_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \\
         python benchmarks/cpu_matmul.py --isa avx2
@@ -36,7 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isa", default=None, help="kernel level (default: the host's, capped by TOKENMILL_CPU_ISA)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts, comma-separated")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--layers", type=int, default=30, help="copies of the four matrices (default 30)")
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "cpu_matmul.json")
     args = parser.parse_args()
     isa = args.isa or host_isa()
@@ -45,29 +48,44 @@ def main() -> None:
         raise SystemExit(f"CPU kernels ({isa}) not built: {cpu_kernels.build_error(isa)}")
     g = torch.Generator().manual_seed(0)
     layers = []
-    for n, k in SHAPES:
-        w = torch.randn(n, k, generator=g) * 0.05
-        layers.append((w, Int8Linear(record_from_rtn("int8", w, 32), None, kernels=kernels),
-                       Int4Linear(record_from_rtn("int4", w, 32), None, kernels)))
+    for _ in range(args.layers):
+        for n, k in SHAPES:
+            w = torch.randn(n, k, generator=g) * 0.05
+            layers.append((w, Int8Linear(record_from_rtn("int8", w, 32), None, kernels=kernels),
+                           Int4Linear(record_from_rtn("int4", w, 32), None, kernels)))
+    weight_bytes = {
+        "fp32": sum(w.numel() * 4 for w, _, _ in layers),
+        "int8": sum(l8.codes.numel() + l8.scales.numel() * 2 for _, l8, _ in layers),
+        "int4": sum(l4.kernel_codes.numel() + l4.kernel_pairs.numel() * 2 for _, _, l4 in layers),
+    }
     rows_out = []
-    print(f"CPU kernels {isa} (host {host_isa()}), {torch.get_num_threads()} threads; us per call summed over {SHAPES}")
+    print(f"CPU kernels {isa} (host {host_isa()}), {torch.get_num_threads()} threads; us per layer of {SHAPES}, "
+          f"{args.layers} layers")
     print(f"{'rows':>5} {'fp32':>8} {'int8':>8} {'int4':>8} {'int8/fp32':>10} {'int4/fp32':>10} {'max rel err':>12}")
     for m in (int(r) for r in args.rows.split(",")):
-        total = {"fp32": 0.0, "int8": 0.0, "int4": 0.0}
+        xs = [torch.randn(m, k, generator=g) for _, k in SHAPES]
         err = 0.0
-        for w, l8, l4 in layers:
-            x = torch.randn(m, w.shape[1], generator=g)
+        for (w, l8, l4), x in zip(layers[:len(SHAPES)], xs):
             for name, layer in (("int8", l8), ("int4", l4)):
                 ref = F.linear(x, dequantize_record(name, record_from_rtn(name, w, 32)).float())
                 err = max(err, ((layer(x).float() - ref).abs().max() / ref.abs().max()).item())
-            total["fp32"] += per_call_us(lambda: F.linear(x, w), args.repeats)
-            total["int8"] += per_call_us(lambda: l8(x), args.repeats)
-            total["int4"] += per_call_us(lambda: l4(x), args.repeats)
-        rows_out.append({"rows": m, **{k: round(v, 1) for k, v in total.items()}, "max_rel_err": err})
+        calls = {
+            "fp32": lambda: [F.linear(xs[i % len(SHAPES)], w) for i, (w, _, _) in enumerate(layers)],
+            "int8": lambda: [l8(xs[i % len(SHAPES)]) for i, (_, l8, _) in enumerate(layers)],
+            "int4": lambda: [l4(xs[i % len(SHAPES)]) for i, (_, _, l4) in enumerate(layers)],
+        }
+        total = {name: per_call_us(f, args.repeats) / args.layers for name, f in calls.items()}
+        row = {"rows": m, **{k: round(v, 1) for k, v in total.items()}, "max_rel_err": err}
+        if m == 1:
+            row["weight_gb_per_s"] = {k: round(weight_bytes[k] / args.layers / (v * 1e3), 1) for k, v in total.items()}
+        rows_out.append(row)
         print(f"{m:>5} {total['fp32']:>8.0f} {total['int8']:>8.0f} {total['int4']:>8.0f} "
               f"{total['int8'] / total['fp32']:>10.2f} {total['int4'] / total['fp32']:>10.2f} {err:>12.4f}")
+    if rows_out and "weight_gb_per_s" in rows_out[0]:
+        print("weight bytes read per second at 1 row (GB/s): "
+              + ", ".join(f"{k} {v}" for k, v in rows_out[0]["weight_gb_per_s"].items()))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"isa": isa, "host_isa": host_isa(), "shapes": SHAPES, "results": rows_out}, indent=1))
+    args.output.write_text(json.dumps({"isa": isa, "host_isa": host_isa(), "shapes": SHAPES, "layers": args.layers, "results": rows_out}, indent=1))
     print(f"wrote {args.output}")
 
 

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace tokenmill::avx2 {
@@ -34,6 +35,9 @@ constexpr int64_t kTileRows = 4;  // rows of x per few-row pass and per many-row
 static_assert(kTileRows == 4, "with_row_count (cpu_common.h) dispatches 1-4 rows");
 constexpr int64_t kTileCols = 3;  // output channels per many-row tile
 constexpr int64_t kPanel = 24;    // output channels widened to fp32 at a time (a multiple of kTileCols)
+// How far ahead of its weight reads a few-row kernel prefetches: the hardware prefetcher alone
+// left them at ~55% of the bandwidth F.linear's fp32 reads reach (benchmarks/cpu_matmul.py).
+constexpr int64_t kPrefetchBytes = 8192;
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -74,32 +78,99 @@ struct QuantizedRows {
   }
 };
 
+// Few-row passes take C output channels at a time (2 for 1-2 rows, 1 for 3-4) and, with one
+// row, split each channel's blocks over two accumulators (S): every row x channel dot product is
+// a chain of dependent FMAs, and with one row a single chain per channel would leave the FMA
+// units waiting on their own latency.
+template <int R>
+constexpr int kChannels = R <= 2 ? 2 : 1;
+template <int R>
+constexpr int kSplits = R == 1 ? 2 : 1;
+
+// Runs pass(C, n) over channels [begin, end) in steps of C = kChannels<R>, then one at a time.
+template <int R, typename Pass>
+inline void over_channels(int64_t begin, int64_t end, const Pass& pass) {
+  constexpr int C = kChannels<R>;
+  int64_t n = begin;
+  for (; n + C <= end; n += C) pass(std::integral_constant<int, C>{}, n);
+  for (; n < end; ++n) pass(std::integral_constant<int, 1>{}, n);
+}
+
+// Lanes of a [blocks]-long row of blocks b .. b + 7 that exist (the rest masked off).
+inline __m256i tail_mask(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // Rows r0 .. r0 + R - 1 of y, output channels [begin, end): int8 codes [N, K], bf16 scales [N].
 template <int R>
 void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const uint16_t* scales, float* y, int64_t K,
                int64_t N, int64_t begin, int64_t end) {
   const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int S = kSplits<R>;
   const int8_t* xr[R];
   const float* dr[R];
   for (int r = 0; r < R; ++r) {
     xr[r] = xq.q.data() + (r0 + r) * K;
     dr[r] = xq.d.data() + (r0 + r) * xq.blocks;
   }
-  for (int64_t n = begin; n < end; ++n) {
-    const int8_t* w = codes + n * K;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < xq.blocks; ++b) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-      const __m256i aw = _mm256_abs_epi8(wv);
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + b * kBlock));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dr[r][b]), acc[r]);
+  over_channels<R>(begin, end, [&](auto c_count, int64_t n) {
+    constexpr int C = decltype(c_count)::value;
+    __m256 acc[R][C][S];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) {
+        for (int s = 0; s < S; ++s) acc[r][c][s] = _mm256_setzero_ps();
       }
     }
-    const float scale = bf16_bits_to_float(scales[n]);
-    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(acc[r]) * scale;
+    const int8_t* w = codes + n * K;
+    for (int64_t b = 0; b < xq.blocks; ++b) {
+      // the weight rows are one stream, C rows a pass: ask for what the passes after next read
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * kBlock + kPrefetchBytes), _MM_HINT_T0);
+      __m256i wv[C], aw[C];
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) {
+        wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * K + b * kBlock));
+        aw[c] = _mm256_abs_epi8(wv[c]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + b * kBlock));
+        const __m256 d = _mm256_broadcast_ss(dr[r] + b);
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c) {
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xv, wv[c])), ones);
+          __m256& a = acc[r][c][b % S];
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, a);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const float scale = bf16_bits_to_float(scales[n + c]);
+      for (int r = 0; r < R; ++r) {
+        __m256 sum = acc[r][c][0];
+        if constexpr (S == 2) sum = _mm256_add_ps(sum, acc[r][c][1]);
+        y[(r0 + r) * N + n + c] = hsum(sum) * scale;
+      }
+    }
+  });
+}
+
+// For one int4 output channel, from its (scale, min) per block (bf16 pairs, scale in the low
+// half): fac[r][b] = scale_b * d[r][b], the factor of block b's integer dot product with row r,
+// and mins[r] += min_b * sum(x of row r's block b), 8 blocks a vector.
+template <int R>
+inline void int4_block_factors(const uint32_t* block_pairs, const float* const* dr, const float* const* sr,
+                               int64_t blocks, float* fac, __m256* mins) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t b = 0; b < blocks; b += 8) {
+    const __m256i mask = tail_mask(blocks - b);
+    const __m256i p = _mm256_maskload_epi32(reinterpret_cast<const int*>(block_pairs + b), mask);
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+    const __m256 min = _mm256_castsi256_ps(_mm256_and_si256(p, high));
+    for (int r = 0; r < R; ++r) {
+      _mm256_maskstore_ps(fac + r * blocks + b, mask, _mm256_mul_ps(scale, _mm256_maskload_ps(dr[r] + b, mask)));
+      mins[r] = _mm256_fmadd_ps(min, _mm256_maskload_ps(sr[r] + b, mask), mins[r]);
+    }
   }
 }
 
@@ -109,45 +180,82 @@ void int4_rows(const QuantizedRows& xq, int64_t r0, const uint8_t* packed, const
                int64_t K, int64_t N, int64_t group_size, int64_t begin, int64_t end) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
+  constexpr int S = kSplits<R>;
+  const int64_t blocks = xq.blocks, groups = K / group_size, blocks_per_group = group_size / kBlock;
   const int8_t* xr[R];
   const float* dr[R];
   const float* sr[R];
   for (int r = 0; r < R; ++r) {
     xr[r] = xq.q.data() + (r0 + r) * K;
-    dr[r] = xq.d.data() + (r0 + r) * xq.blocks;
-    sr[r] = xq.sums.data() + (r0 + r) * xq.blocks;
+    dr[r] = xq.d.data() + (r0 + r) * blocks;
+    sr[r] = xq.sums.data() + (r0 + r) * blocks;
   }
-  std::vector<float> block_scale(xq.blocks), block_min(xq.blocks);  // of output channel n, per block of 32
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* w = packed + n * (K / 2);
-    for (int64_t g = 0, b = 0; g < groups; ++g) {
-      const uint32_t pair = pairs[n * groups + g];
-      for (int64_t j = 0; j < blocks_per_group; ++j, ++b) {
-        block_scale[b] = bf16_bits_to_float(static_cast<uint16_t>(pair));
-        block_min[b] = bf16_bits_to_float(pair >> 16);
+  // per pass: each channel's block factors [C][R][blocks] and, for groups wider than a block,
+  // its (scale, min) pairs repeated for every block of the group (per thread, reused: a pass
+  // runs for every few channels)
+  thread_local std::vector<float> fac_buffer;
+  thread_local std::vector<uint32_t> expanded_buffer;
+  fac_buffer.resize(kChannels<R> * R * blocks);
+  expanded_buffer.resize(blocks);
+  float* const fac = fac_buffer.data();
+  uint32_t* const expanded = expanded_buffer.data();
+  const int64_t row_bytes = K / 2;
+  over_channels<R>(begin, end, [&](auto c_count, int64_t n) {
+    constexpr int C = decltype(c_count)::value;
+    __m256 mins[C][R];
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) {
+      const uint32_t* p = pairs + (n + c) * groups;
+      if (blocks_per_group > 1) {
+        for (int64_t b = 0; b < blocks; ++b) expanded[b] = p[b / blocks_per_group];
+        p = expanded;
+      }
+      for (int r = 0; r < R; ++r) mins[c][r] = _mm256_setzero_ps();
+      int4_block_factors<R>(p, dr, sr, blocks, fac + c * R * blocks, mins[c]);
+    }
+    __m256 acc[R][C][S];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 2
+        for (int s = 0; s < S; ++s) acc[r][c][s] = _mm256_setzero_ps();
       }
     }
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < K / 64; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-      const __m256i q[2] = {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)};
+    const uint8_t* w = packed + n * row_bytes;
+    for (int64_t chunk = 0; chunk < K / 64; ++chunk) {
+      // the weight rows are one stream, C rows a pass: ask for what the passes after next read
+      _mm_prefetch(reinterpret_cast<const char*>(w + chunk * 32 + kPrefetchBytes), _MM_HINT_T0);
+      __m256i q[C][2];
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * row_bytes + chunk * 32));
+        q[c][0] = _mm256_and_si256(raw, nibble);
+        q[c][1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      }
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const int64_t b = 2 * c + h;
+        const int64_t b = 2 * chunk + h;
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + b * kBlock));
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[h], xv), ones);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(block_scale[b] * dr[r][b]), acc[r]);
+#pragma GCC unroll 2
+          for (int c = 0; c < C; ++c) {
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c][h], xv), ones);
+            __m256& a = acc[r][c][h % S];
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(fac + (c * R + r) * blocks + b), a);
+          }
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      float mins = 0.f;
-      for (int64_t b = 0; b < xq.blocks; ++b) mins += block_min[b] * sr[r][b];
-      y[(r0 + r) * N + n] = hsum(acc[r]) + mins;
+    for (int c = 0; c < C; ++c) {
+      for (int r = 0; r < R; ++r) {
+        __m256 sum = _mm256_add_ps(acc[r][c][0], mins[c][r]);
+        if constexpr (S == 2) sum = _mm256_add_ps(sum, acc[r][c][1]);
+        y[(r0 + r) * N + n + c] = hsum(sum);
+      }
     }
-  }
+  });
 }
 
 // rows(R, r0, begin, end) for every group of up to kTileRows rows, over the output channels in
@@ -156,6 +264,10 @@ void int4_rows(const QuantizedRows& xq, int64_t r0, const uint8_t* packed, const
 template <typename Rows>
 void for_rows_and_channels(int64_t M, int64_t N, const Rows& rows) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    if (M <= kTileRows) {
+      with_row_count(M, [&](auto r) { rows(r, 0, begin, end); });
+      return;
+    }
     for (int64_t n0 = begin; n0 < end; n0 += 8) {
       const int64_t n1 = std::min(end, n0 + 8);
       for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
