@@ -480,3 +480,24 @@ def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
         assert torch.equal(layer(x), got)
     # within PyTorch's kernel's distance of the unrounded weight (its tolerance above)
     torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (12, 2, 64)])
+def test_fp32_decode_attention_at_every_level(level, heads, kv_heads, hd):
+    """fp32 decode attention (AVX2 + FMA at every level from avx2 up: 8 tokens' scores reduced
+    together, query-head x head-dim register tiles over V) against the reference, for GQA groups
+    of 3, 8 and 6, contexts not a multiple of 8, on 1 and 2 threads (split-K)."""
+    decode_lens = [1, 7, 9, 40, 203]
+    cache, query, key, value, layout, full_k, full_v, q_lens = random_step(torch.float32, 16, kv_heads, heads, hd,
+                                                                          decode_lens, [])
+    backend = TorchAttentionBackend(kernels=level)
+    meta = backend.build_metadata(layout, "cpu")
+    expected = torch.cat([reference(q, k, v, 0.3) for q, k, v in zip(query.split(q_lens), full_k, full_v)])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            out = backend.forward(query, key, value, tuple(t.clone() for t in cache), meta, 0.3)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

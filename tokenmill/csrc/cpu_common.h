@@ -122,6 +122,15 @@ inline void cached_row_offsets(const int32_t* table, int64_t begin, int64_t end,
   }
 }
 
+#ifdef TOKENMILL_AVX2
+// Lane i = the sum of the 8 lanes of v[i].
+inline __m256 sum_each_of_8(const __m256* v) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
 #ifdef TOKENMILL_AVX512_BF16
 // 16 int8 codes as fp32 (exact).
 inline __m512 int8x16_to_fp32(const int8_t* codes) {

@@ -90,6 +90,13 @@ struct DecodeAttention : tokenmill::PagedLayout {
 #else
       false;
 #endif
+  // fp32 queries over an fp32 cache (compute dtype fp32, the default below avx512_bf16): AVX2 + FMA.
+  static constexpr bool kFp32Simd =
+#ifdef TOKENMILL_AVX2
+      std::is_same_v<T, float> && std::is_same_v<C, float> && kHeadDim > 0 && kHeadDim % 8 == 0;
+#else
+      false;
+#endif
 
   int64_t head_dim;
   const T* q_ptr;
@@ -119,6 +126,8 @@ struct DecodeAttention : tokenmill::PagedLayout {
     const T* q = q_ptr + seq * q_row + kv_head * group * head_dim;
     if constexpr (kSimd) {
       simd_scores(q, w.offsets.data(), n, w.scores.data());
+    } else if constexpr (kFp32Simd) {
+      fp32_scores(q, w.offsets.data(), n, w.scores.data());
     } else {
       generic_scores(q, w, n);
     }
@@ -143,6 +152,8 @@ struct DecodeAttention : tokenmill::PagedLayout {
         }
       }
       simd_values(w.offsets.data(), n, w.scores.data(), acc);
+    } else if constexpr (kFp32Simd) {
+      fp32_values(w.offsets.data(), n, w.scores.data(), acc);
     } else {
       generic_values(w, n, acc);
     }
@@ -199,6 +210,84 @@ struct DecodeAttention : tokenmill::PagedLayout {
       }
     }
   }
+
+#ifdef TOKENMILL_AVX2
+  static constexpr int64_t kF32Vecs = kHeadDim > 0 ? kHeadDim / 8 : 1;  // 8 fp32 per vector
+  // vectors of head dims a pass over V keeps in registers, for up to kF32Heads query heads
+  static constexpr int kF32PassVecs = kF32Vecs % 4 == 0 ? 4 : kF32Vecs % 2 == 0 ? 2 : 1;
+  static constexpr int kF32Heads = 3;
+
+  // scores[g * n + t] = scale * q_g . k_t, 8 tokens at a time: each token's products summed in
+  // two vectors, then the 8 sums reduced into one vector together.
+  void fp32_scores(const float* q, const int64_t* offsets, int64_t n, float* scores) const {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * kHeadDim;
+      for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t count = std::min<int64_t>(8, n - t0);
+        __m256 part[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          if (i >= count) {
+            part[i] = _mm256_setzero_ps();
+            continue;
+          }
+          const float* k = k_ptr + offsets[t0 + i];
+          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
+          for (int64_t c = 1; c < kF32Vecs; ++c) {
+            __m256& a = c % 2 ? a1 : a0;
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + 8 * c), a);
+          }
+          part[i] = _mm256_add_ps(a0, a1);
+        }
+        const __m256 sums = _mm256_mul_ps(tokenmill::sum_each_of_8(part), vscale);
+        if (count == 8) {
+          _mm256_storeu_ps(scores + g * n + t0, sums);
+        } else {
+          alignas(32) float tail[8];
+          _mm256_store_ps(tail, sums);
+          std::copy(tail, tail + count, scores + g * n + t0);
+        }
+      }
+    }
+  }
+
+  // acc[g] = sum_t p[g * n + t] v_t: passes of up to kF32Heads query heads x kF32PassVecs vectors
+  // of head dims, accumulated in registers over every token.
+  template <int kHeads>
+  void fp32_values_pass(const int64_t* offsets, int64_t n, const float* p, int64_t c0, float* acc) const {
+    __m256 a[kHeads][kF32PassVecs];
+    for (int h = 0; h < kHeads; ++h) {
+      for (int j = 0; j < kF32PassVecs; ++j) a[h][j] = _mm256_setzero_ps();
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = v_ptr + offsets[t] + 8 * c0;
+      __m256 vv[kF32PassVecs];
+      for (int j = 0; j < kF32PassVecs; ++j) vv[j] = _mm256_loadu_ps(v + 8 * j);
+      for (int h = 0; h < kHeads; ++h) {
+        const __m256 w = _mm256_broadcast_ss(p + h * n + t);
+        for (int j = 0; j < kF32PassVecs; ++j) a[h][j] = _mm256_fmadd_ps(w, vv[j], a[h][j]);
+      }
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      for (int j = 0; j < kF32PassVecs; ++j) _mm256_storeu_ps(acc + h * kHeadDim + 8 * (c0 + j), a[h][j]);
+    }
+  }
+
+  void fp32_values(const int64_t* offsets, int64_t n, const float* p, float* acc) const {
+    for (int64_t g = 0; g < group; g += kF32Heads) {
+      for (int64_t c0 = 0; c0 < kF32Vecs; c0 += kF32PassVecs) {
+        switch (std::min<int64_t>(kF32Heads, group - g)) {
+          case 1: fp32_values_pass<1>(offsets, n, p + g * n, c0, acc + g * kHeadDim); break;
+          case 2: fp32_values_pass<2>(offsets, n, p + g * n, c0, acc + g * kHeadDim); break;
+          default: fp32_values_pass<kF32Heads>(offsets, n, p + g * n, c0, acc + g * kHeadDim);
+        }
+      }
+    }
+  }
+#else
+  void fp32_scores(const float*, const int64_t*, int64_t, float*) const {}
+  void fp32_values(const int64_t*, int64_t, const float*, float*) const {}
+#endif
 
 #ifdef TOKENMILL_AVX512_BF16
   static constexpr int64_t kVecs = kHeadDim > 0 ? kHeadDim / 32 : 1;  // 32 bf16 (one cache line pair) per vector
