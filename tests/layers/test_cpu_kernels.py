@@ -432,12 +432,13 @@ def test_int8_linear_matches_the_dequantized_weight(level, rows):
                                atol=0.3, rtol=2e-2)  # PyTorch's _weight_int8pack_mm (bf16)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 17, 64, 100])
+@pytest.mark.parametrize("rows", [1, 7, 17, 64, 100, 260])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(200, 576, False), (37, 48, True), (64, 1536, False)])
 def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, with_bias):
     """The many-row int8 kernel: row blocks of 8 and a remainder, a last panel of fewer than 32
     output channels (37, 200), K a multiple of 16 but not of 32 (48); exact products, fp32 sums,
-    one rounding. Int8Linear takes it above its max_rows."""
+    one rounding; 260 rows: at the avx2 levels the whole weight widened once and multiplied by
+    at::mm. Int8Linear takes it above its max_rows."""
     from tokenmill.layers.linear import Int8Linear
     from tokenmill.quantization.formats import quantize_int8
 
@@ -458,11 +459,12 @@ def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
         level.int8_gemm(x[:, :8].contiguous(), layer.codes[:, :8].contiguous(), layer.scales)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9, 64])
+@pytest.mark.parametrize("rows", [1, 4, 9, 64, 260])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
 def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, group_size):
     """The many-row int4 kernel reads int4_linear's codes and pairs; each weight is q * scale + min
-    rounded once to bf16, then exact products and fp32 sums. Int4Linear takes it from
+    rounded once to bf16, then exact products and fp32 sums (at the avx2 levels fp32 weights; from
+    256 rows the whole weight widened once and multiplied by at::mm). Int4Linear takes it from
     INT4_GEMM_MIN_ROWS rows."""
     from tokenmill.layers.linear import Int4Linear, kernel_rows
 

@@ -15,7 +15,10 @@
 //   y = sum_blocks scale_g d_b isum_b + sum_blocks min_g * sum(x of block b) (exact fp32 sums).
 // Many rows (batched decode, prefill): compute-bound, so weights are widened to fp32 once per
 // panel of output channels (row-major, in a per-thread buffer that stays in cache) and every
-// 4-row tile of x runs over the panel, 4 x 3 accumulators of 8 dot-product lanes.
+// 4-row tile of x runs over the panel, 4 x 3 accumulators of 8 dot-product lanes. From
+// kDenseRows rows (prefill) the whole weight is widened once and at::mm multiplies it. Without
+// VNNI an integer dot product costs as many instructions per product as an fp32 FMA, so at
+// many rows these run at fp32's speed, not above it.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
@@ -35,6 +38,7 @@ constexpr int64_t kTileRows = 4;  // rows of x per few-row pass and per many-row
 static_assert(kTileRows == 4, "with_row_count (cpu_common.h) dispatches 1-4 rows");
 constexpr int64_t kTileCols = 3;  // output channels per many-row tile
 constexpr int64_t kPanel = 24;    // output channels widened to fp32 at a time (a multiple of kTileCols)
+constexpr int64_t kDenseRows = 256;  // from this many rows the whole weight is widened and multiplied by at::mm
 // How far ahead of its weight reads a few-row kernel prefetches: the hardware prefetcher alone
 // left them at ~55% of the bandwidth F.linear's fp32 reads reach (benchmarks/cpu_matmul.py).
 constexpr int64_t kPrefetchBytes = 8192;
@@ -308,6 +312,27 @@ void tile_cols(const float* x, int64_t K, const float* buf, float* y, int64_t N,
 // fp32 for panels of kPanel output channels; bias [N] fp32 or null.
 template <typename Widen>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y, const Widen& widen) {
+  if (M >= kDenseRows) {
+    // Prefill-sized: the panels would stream x from beyond L2 once per panel; widen the whole
+    // weight once (a few percent of the multiply at this many rows) and let the fp32 GEMM block it.
+    // (a buffer kept per calling thread: a fresh one would cost page faults and zeroing each call)
+    thread_local std::vector<float> widened;
+    widened.resize(std::max<size_t>(widened.size(), N * K));
+    float* wp = widened.data();
+    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) widen(p * kPanel, std::min(kPanel, N - p * kPanel), wp + p * kPanel * K);
+    });
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    const at::Tensor w = at::from_blob(wp, {N, K}, opts);
+    at::Tensor out = at::from_blob(y, {M, N}, opts);
+    at::Tensor b = bias ? at::from_blob(const_cast<float*>(bias), {N}, opts) : at::Tensor();
+    if (bias) {
+      at::addmm_out(out, b, at::from_blob(const_cast<float*>(x), {M, K}, opts), w.t());
+    } else {
+      at::mm_out(out, at::from_blob(const_cast<float*>(x), {M, K}, opts), w.t());
+    }
+    return;
+  }
   const int64_t panels = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(kPanel * K);
