@@ -371,8 +371,8 @@ def test_int4_linear_matches_the_dequantized_weight(level, rows, out_features, i
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
     if level.native_bf16():  # exact products, fp32 sums, rounded once to bf16 at the end
         torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=1e-3, rtol=2**-8)
-    else:  # x in int8 per block of 32 against q * scale, exact fp32 block sums against the mins
-        expected = int8_blocks(x) @ (codes * scales).t() + x @ mins.t()
+    else:  # x in int8 per block of 32 against (q - 8) * scale, exact fp32 block sums against min + 8 * scale
+        expected = int8_blocks(x) @ ((codes - 8) * scales).t() + x @ (mins + 8 * scales).t()
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-4)
     if rows <= kernel_rows(level)[0]:  # the layer takes this path
         assert torch.equal(layer(x), got)
