@@ -485,13 +485,20 @@ def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (12, 2, 64)])
-def test_fp32_decode_attention_at_every_level(level, heads, kv_heads, hd):
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_fp32_decode_attention_at_every_level(level, heads, kv_heads, hd, cache_dtype):
     """fp32 decode attention (AVX2 + FMA at every level from avx2 up: 8 tokens' scores reduced
-    together, query-head x head-dim register tiles over V) against the reference, for GQA groups
-    of 3, 8 and 6, contexts not a multiple of 8, on 1 and 2 threads (split-K)."""
+    together, query-head x head-dim register tiles over V; an int8 cache's codes widened exactly,
+    its scales on each token's score and weight) against the reference, for GQA groups of 3, 8
+    and 6, contexts not a multiple of 8, on 1 and 2 threads (split-K)."""
     decode_lens = [1, 7, 9, 40, 203]
     cache, query, key, value, layout, full_k, full_v, q_lens = random_step(torch.float32, 16, kv_heads, heads, hd,
                                                                           decode_lens, [])
+    if cache_dtype is not None:
+        (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, cache_dtype) for c in cache)
+        cache = (key_codes, value_codes, key_scales, value_scales)
+        # the reference attends over what the kernel reads: each token-head quantized, dequantized
+        full_k, full_v = ([dequantize_kv(*quantize_kv(x, cache_dtype), torch.float32) for x in xs] for xs in (full_k, full_v))
     backend = TorchAttentionBackend(kernels=level)
     meta = backend.build_metadata(layout, "cpu")
     expected = torch.cat([reference(q, k, v, 0.3) for q, k, v in zip(query.split(q_lens), full_k, full_v)])

@@ -90,10 +90,12 @@ struct DecodeAttention : tokenmill::PagedLayout {
 #else
       false;
 #endif
-  // fp32 queries over an fp32 cache (compute dtype fp32, the default below avx512_bf16): AVX2 + FMA.
+  // fp32 queries (compute dtype fp32, the default below avx512_bf16) over an fp32 or int8 cache:
+  // AVX2 + FMA, int8 codes widened to fp32 (exactly) and the token's scales applied to its score
+  // and its softmax weight.
   static constexpr bool kFp32Simd =
 #ifdef TOKENMILL_AVX2
-      std::is_same_v<T, float> && std::is_same_v<C, float> && kHeadDim > 0 && kHeadDim % 8 == 0;
+      std::is_same_v<T, float> && (std::is_same_v<C, float> || kInt8) && kHeadDim > 0 && kHeadDim % 8 == 0;
 #else
       false;
 #endif
@@ -144,16 +146,18 @@ struct DecodeAttention : tokenmill::PagedLayout {
       m[g] = mx;
       l[g] = sum;
     }
-    if constexpr (kSimd) {
+    if constexpr (kSimd || kFp32Simd) {
       if constexpr (kInt8) {  // the V scales into the weights (l above is their unscaled sum)
         for (int64_t t = 0; t < n; ++t) {
           const float v_scale = v_scales[w.offsets[t] / head_dim];
           for (int64_t g = 0; g < group; ++g) w.scores[g * n + t] *= v_scale;
         }
       }
-      simd_values(w.offsets.data(), n, w.scores.data(), acc);
-    } else if constexpr (kFp32Simd) {
-      fp32_values(w.offsets.data(), n, w.scores.data(), acc);
+      if constexpr (kSimd) {
+        simd_values(w.offsets.data(), n, w.scores.data(), acc);
+      } else {
+        fp32_values(w.offsets.data(), n, w.scores.data(), acc);
+      }
     } else {
       generic_values(w, n, acc);
     }
@@ -217,6 +221,15 @@ struct DecodeAttention : tokenmill::PagedLayout {
   static constexpr int kF32PassVecs = kF32Vecs % 4 == 0 ? 4 : kF32Vecs % 2 == 0 ? 2 : 1;
   static constexpr int kF32Heads = 3;
 
+  // 8 cached K or V elements as fp32 (int8 codes exactly, without their scale).
+  static __m256 load8(const C* p) {
+    if constexpr (kInt8) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    } else {
+      return _mm256_loadu_ps(p);
+    }
+  }
+
   // scores[g * n + t] = scale * q_g . k_t, 8 tokens at a time: each token's products summed in
   // two vectors, then the 8 sums reduced into one vector together.
   void fp32_scores(const float* q, const int64_t* offsets, int64_t n, float* scores) const {
@@ -231,15 +244,20 @@ struct DecodeAttention : tokenmill::PagedLayout {
             part[i] = _mm256_setzero_ps();
             continue;
           }
-          const float* k = k_ptr + offsets[t0 + i];
-          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
+          const C* k = k_ptr + offsets[t0 + i];
+          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(k)), a1 = _mm256_setzero_ps();
           for (int64_t c = 1; c < kF32Vecs; ++c) {
             __m256& a = c % 2 ? a1 : a0;
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + 8 * c), a);
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(k + 8 * c), a);
           }
           part[i] = _mm256_add_ps(a0, a1);
         }
-        const __m256 sums = _mm256_mul_ps(tokenmill::sum_each_of_8(part), vscale);
+        __m256 sums = _mm256_mul_ps(tokenmill::sum_each_of_8(part), vscale);
+        if constexpr (kInt8) {
+          alignas(32) float k_scale[8] = {};
+          for (int64_t i = 0; i < count; ++i) k_scale[i] = k_scales[offsets[t0 + i] / kHeadDim];
+          sums = _mm256_mul_ps(sums, _mm256_load_ps(k_scale));
+        }
         if (count == 8) {
           _mm256_storeu_ps(scores + g * n + t0, sums);
         } else {
@@ -260,9 +278,9 @@ struct DecodeAttention : tokenmill::PagedLayout {
       for (int j = 0; j < kF32PassVecs; ++j) a[h][j] = _mm256_setzero_ps();
     }
     for (int64_t t = 0; t < n; ++t) {
-      const float* v = v_ptr + offsets[t] + 8 * c0;
+      const C* v = v_ptr + offsets[t] + 8 * c0;
       __m256 vv[kF32PassVecs];
-      for (int j = 0; j < kF32PassVecs; ++j) vv[j] = _mm256_loadu_ps(v + 8 * j);
+      for (int j = 0; j < kF32PassVecs; ++j) vv[j] = load8(v + 8 * j);
       for (int h = 0; h < kHeads; ++h) {
         const __m256 w = _mm256_broadcast_ss(p + h * n + t);
         for (int j = 0; j < kF32PassVecs; ++j) a[h][j] = _mm256_fmadd_ps(w, vv[j], a[h][j]);
