@@ -59,6 +59,18 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _table(record: dict) -> list[str]:
+    """The table itself, then the notes below it."""
+    lines = [
+        "| " + " | ".join(_cell(c) for c in record["columns"]) + " |",
+        "|" + "---|" * len(record["columns"]),
+    ]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in record["rows"]]
+    if record.get("notes"):
+        lines += ["", record["notes"]]
+    return lines
+
+
 def render(record: dict) -> str:
     """One table with the host class, the host and the command above it, the notes below."""
     command = record["command"]
@@ -67,25 +79,13 @@ def render(record: dict) -> str:
         f"Command: `{command}`." if not command.startswith("`") and "`" not in command else f"Command: {command}.",
         f"Peers in the same run: {record['peers']}.",
         "",
-        "| " + " | ".join(_cell(c) for c in record["columns"]) + " |",
-        "|" + "---|" * len(record["columns"]),
     ]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in record["rows"]]
-    if record.get("notes"):
-        lines += ["", record["notes"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _table(record)) + "\n"
 
 
 def render_headline(record: dict) -> str:
     """Headline tables carry a command per row, so only the host class and notes go around them."""
-    lines = [
-        "| " + " | ".join(_cell(c) for c in record["columns"]) + " |",
-        "|" + "---|" * len(record["columns"]),
-    ]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in record["rows"]]
-    if record.get("notes"):
-        lines += ["", record["notes"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(_table(record)) + "\n"
 
 
 def regenerate(text: str) -> str:

@@ -260,6 +260,14 @@ def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
 
 
 
+def quantized_cache(cache, full_k, full_v, cache_dtype):
+    """A step's (key, value) cache as codes and scales (quantize_kv), and the per-sequence K and V
+    the reference attends over: what the kernel reads, each token-head quantized and dequantized."""
+    (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, cache_dtype) for c in cache)
+    full_k, full_v = ([dequantize_kv(*quantize_kv(x, cache_dtype), torch.float32) for x in xs] for xs in (full_k, full_v))
+    return (key_codes, value_codes, key_scales, value_scales), full_k, full_v
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(6, 2, 8), (9, 3, 64), (8, 1, 128)])
 @pytest.mark.parametrize("decode_lens,cache_dtype", [([700], None), ([65, 1000], None), ([300], torch.int8)])
@@ -271,10 +279,7 @@ def test_decode_kernel_splits_long_contexts_across_threads(dtype, heads, kv_head
     bs = 16
     cache, query, key, value, layout, full_k, full_v, q_lens = random_step(dtype, bs, kv_heads, heads, hd, decode_lens, [])
     if cache_dtype is not None:
-        (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, cache_dtype) for c in cache)
-        cache = (key_codes, value_codes, key_scales, value_scales)
-        # the reference attends over what the kernel reads: each token-head quantized, dequantized
-        full_k, full_v = ([dequantize_kv(*quantize_kv(x, cache_dtype), torch.float32) for x in xs] for xs in (full_k, full_v))
+        cache, full_k, full_v = quantized_cache(cache, full_k, full_v, cache_dtype)
     backend = TorchAttentionBackend(kernels=kernels)
     meta = backend.build_metadata(layout, "cpu")
     threads = torch.get_num_threads()
@@ -495,10 +500,7 @@ def test_fp32_decode_attention_at_every_level(level, heads, kv_heads, hd, cache_
     cache, query, key, value, layout, full_k, full_v, q_lens = random_step(torch.float32, 16, kv_heads, heads, hd,
                                                                           decode_lens, [])
     if cache_dtype is not None:
-        (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, cache_dtype) for c in cache)
-        cache = (key_codes, value_codes, key_scales, value_scales)
-        # the reference attends over what the kernel reads: each token-head quantized, dequantized
-        full_k, full_v = ([dequantize_kv(*quantize_kv(x, cache_dtype), torch.float32) for x in xs] for xs in (full_k, full_v))
+        cache, full_k, full_v = quantized_cache(cache, full_k, full_v, cache_dtype)
     backend = TorchAttentionBackend(kernels=level)
     meta = backend.build_metadata(layout, "cpu")
     expected = torch.cat([reference(q, k, v, 0.3) for q, k, v in zip(query.split(q_lens), full_k, full_v)])
