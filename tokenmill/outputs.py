@@ -52,4 +52,7 @@ class RequestOutput:
     metrics: RequestMetrics
     # With SamplingParams.prompt_logprobs: log p(prompt token i | tokens < i); None for token 0.
     prompt_logprobs: list[float | None] | None = None
+    # With prompt_logprobs and logprobs = N > 0: the top-N (token_id, logprob) at each prompt
+    # position, most likely first; None for token 0.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 

@@ -18,3 +18,14 @@ def hf_tokenizer(default_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path):
+    """The default model in transformers, fp32: the oracle for logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()

@@ -172,7 +172,6 @@ CASES = [
     completion("stop-empty-string-alone", 400, "stop", stop=""),
     completion("stop-string-too-long", 400, "stop", stop=["x" * 2000]),
     completion("suffix", 400, "suffix", suffix="!"),
-    completion("echo-with-logprobs", 400, "echo", echo=True, logprobs=1),
     completion("best_of", 400, "best_of", best_of=3),
     completion("n-zero-stream", 400, "n", n=0, stream=True),
     chat("tools", 400, "tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),

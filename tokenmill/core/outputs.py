@@ -75,6 +75,8 @@ class ModelRunnerOutput:
     top_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
     # For requests that asked: logprobs of the prompt tokens this step's chunk predicted.
     prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # ... and, when the request also asked for `logprobs` top-N, the top-N at each of them.
+    prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,7 @@ class EngineCoreOutput:
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     new_prompt_logprobs: list[float] | None = None
+    new_prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # Speculative decoding: drafts verified this step, and how many of them were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -326,9 +326,11 @@ class Scheduler:
             req.num_computed_tokens += num_tokens
             req.spec_token_ids = result.spec_token_ids.get(req_id, [])
             prompt_logprobs = result.prompt_logprobs.get(req_id)
+            prompt_tops = result.prompt_top_logprobs.get(req_id)
             if not new_token_ids:  # a prefill chunk that did not reach the end of the prompt
                 if prompt_logprobs:
-                    outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
+                    outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs,
+                                                    new_prompt_top_logprobs=prompt_tops))
                 continue
             status = None
             accepted: list[int] = []
@@ -338,7 +340,7 @@ class Scheduler:
                 status = req.check_stop(self.config.max_model_len)
                 if status is not None:
                     break
-            out = EngineCoreOutput(req_id, accepted, new_prompt_logprobs=prompt_logprobs,
+            out = EngineCoreOutput(req_id, accepted, new_prompt_logprobs=prompt_logprobs, new_prompt_top_logprobs=prompt_tops,
                                    num_draft_tokens=len(drafts or ()), num_accepted_tokens=num_accepted)
             if req_id in result.logprobs:
                 out.new_logprobs = result.logprobs[req_id][: len(accepted)]

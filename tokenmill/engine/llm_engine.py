@@ -55,6 +55,7 @@ class _RequestState:
     samples: list[_Sample]
     metrics: RequestMetrics
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -149,6 +150,8 @@ class LLMEngine:
         state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=time.monotonic()))
         if params.prompt_logprobs:
             state.prompt_logprobs = [None]  # the first prompt token has no context to predict it
+            if params.logprobs:
+                state.prompt_top_logprobs = [None]
         for index in range(params.n):
             child_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + index
@@ -215,6 +218,8 @@ class LLMEngine:
             state, sample = entry
             if out.new_prompt_logprobs and sample is state.samples[0]:  # all samples compute the same
                 state.prompt_logprobs.extend(out.new_prompt_logprobs)
+                if state.prompt_top_logprobs is not None:
+                    state.prompt_top_logprobs.extend(out.new_prompt_top_logprobs)
             if not out.new_token_ids:
                 continue
             if self._process(sample, out):
@@ -242,6 +247,7 @@ class LLMEngine:
                     finished=state.finished,
                     metrics=dataclasses.replace(state.metrics),
                     prompt_logprobs=state.prompt_logprobs,
+                    prompt_top_logprobs=state.prompt_top_logprobs,
                 )
             )
         return outputs

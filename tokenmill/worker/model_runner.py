@@ -420,7 +420,10 @@ class ModelRunner:
                 state.draft_num_computed = state.num_computed_tokens
         out = ModelRunnerOutput(sampled_token_ids={})
         for req_id, indices, targets in prompt_lp_jobs:
-            out.prompt_logprobs[req_id] = self._token_logprobs(hidden, indices, targets)
+            num_top = self.requests[req_id].sampling_params.logprobs or 0
+            out.prompt_logprobs[req_id], tops = self._token_logprobs(hidden, indices, targets, num_top)
+            if num_top:
+                out.prompt_top_logprobs[req_id] = tops
         if not sample_req_ids and not spec_jobs:
             return out
 
@@ -543,16 +546,22 @@ class ModelRunner:
                 out.logprobs[req_id] = verified.logprobs[j]
                 out.top_logprobs[req_id] = verified.top_logprobs[j]
 
-    def _token_logprobs(self, hidden: torch.Tensor, indices: range, targets: list[int], rows_per_slice: int = 256) -> list[float]:
-        """log p(targets[i] | context up to flat position indices[i]), a slice of rows at a time
-        so the [rows, vocab] logits stay small."""
+    def _token_logprobs(self, hidden: torch.Tensor, indices: range, targets: list[int], num_top: int = 0,
+                        rows_per_slice: int = 256) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """log p(targets[i] | context up to flat position indices[i]) and, with num_top, the
+        num_top most likely (token_id, logprob) there; a slice of rows at a time so the
+        [rows, vocab] logits stay small."""
         result: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
         for lo in range(0, len(indices), rows_per_slice):
             idx = indices[lo : lo + rows_per_slice]
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx.start : idx.stop]), dim=-1)
             target = torch.tensor(targets[lo : lo + rows_per_slice], device=self.device)
             result.extend(logprobs.gather(1, target[:, None]).squeeze(1).tolist())
-        return result
+            if num_top:
+                values, ids = logprobs.topk(num_top, dim=-1)  # [rows, num_top], descending
+                tops.extend(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
+        return result, tops
 
     @staticmethod
     def _sampling_row(state: CachedRequestState, drafts: Sequence[int] = ()) -> SamplingRow:

@@ -35,6 +35,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_request,
 )
 from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, _message_dict
 
@@ -151,6 +152,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
     async def generate(request: Request, handler, body):
         """Run `handler(serving, body, is_disconnected)` behind the guards: a JSON answer, or SSE."""
         check_auth(request)
+        check_request(body)
         s = serving()
         check_capacity()
         try:
@@ -183,6 +185,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         check_auth(request)
+        check_request(body)
         s = serving()
         s.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -198,6 +201,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
         check_auth(request)
+        check_request(body)
         s = serving()
         s.check_model(body.model)
         vocab = s.engine.vocab_size

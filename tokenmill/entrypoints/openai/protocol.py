@@ -2,9 +2,13 @@
 
 Requests are validated strictly: a wrong JSON type is a 400 naming the field, not a silent
 coercion ("0.5" is not a temperature). Ranges are checked once, by `SamplingParams`, so the
-HTTP layer and the Python API agree on what is allowed. Fields the OpenAI API defines but
-tokenmill does not implement are rejected by name when set; unknown extra fields are ignored
-(clients send vendor extensions freely).
+HTTP layer and the Python API agree on what is allowed.
+
+No field is silently ignored. Every field a request model declares is acted on, or is one of
+`IGNORED_FIELDS` (harmless to ignore: it changes nothing about the answer, and the README lists
+it). Any other field is a 400 naming it (`check_request`), with the reason for the OpenAI and
+vLLM fields tokenmill knows and does not implement (`REFUSED_FIELDS`). A field sent as null is
+a field not sent.
 """
 
 from __future__ import annotations
@@ -22,12 +26,22 @@ MAX_STOP_STRING_LENGTH = 1024
 Number = StrictFloat | StrictInt
 
 
+class RequestFieldError(ValueError):
+    """A request field tokenmill refuses; `field` names it as OpenAI's `param` ("messages.0.content")."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class _Body(BaseModel):
+    # Extra fields are kept so that `check_request` can name them in its 400.
     model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # ignored: nothing is obfuscated
 
 
 class _SamplingFields(_Body):
@@ -45,7 +59,14 @@ class _SamplingFields(_Body):
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     logit_bias: dict[StrictStr, Number] | None = None
-    user: StrictStr | None = None
+    user: StrictStr | None = None  # ignored: an end-user id for the caller's own abuse tracking
+    # Structured output (response_format on completions and guided_* as in vLLM)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None  # ignored: there is one grammar engine
     # Extensions (as in vLLM): sent by the openai client through `extra_body`.
     top_k: StrictInt | None = None
     min_p: Number | None = None
@@ -62,14 +83,16 @@ class CompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
-    suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None  # refused unless empty
+    best_of: StrictInt | None = None  # refused unless equal to n
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: StrictStr | None = None  # tool turns: the call they answer
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -78,8 +101,17 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    modalities: list[StrictStr] | None = None  # only ["text"]
+    store: StrictBool | None = None  # only false: nothing is stored
+    # Ignored: bookkeeping and routing hints that change nothing about the answer.
+    metadata: dict[str, StrictStr] | None = None
+    service_tier: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None  # prefix caching is automatic
+    prompt_cache_retention: StrictStr | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -92,6 +124,93 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: StrictStr | None = None
     tokens: list[StrictInt]
+
+
+# Declared fields tokenmill accepts and does not act on, per request model (the README lists them).
+IGNORED_FIELDS = {
+    "user", "guided_decoding_backend", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention", "prompt_cache_options", "stream_options.include_obfuscation",
+}
+
+# Fields of the OpenAI API (and vLLM's extensions) that tokenmill does not implement: a 400 with
+# the reason. Any other undeclared field is a 400 too, as an unknown field.
+REFUSED_FIELDS = {
+    "audio": "audio output is not supported (text only)",
+    "functions": "functions is deprecated and not supported; use tools",
+    "function_call": "function_call is deprecated and not supported; use tool_choice",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported: the model does not reason",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
+    "use_beam_search": "beam search is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported; use echo with logprobs on /v1/completions",
+}
+
+
+def check_request(body: _Body) -> None:
+    """Refuse what the request models cannot: undeclared fields, invalid Unicode in any text
+    (a lone surrogate, which JSON's \\ud800 escapes allow and UTF-8 cannot hold), and declared
+    fields set to a value tokenmill does not implement. Raises RequestFieldError naming the field."""
+    _check_unicode(body, "")
+    _check_extra_fields(body, "")
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            raise RequestFieldError("suffix", "suffix is not supported by this server (insertion is not implemented)")
+        if body.best_of is not None and body.best_of != body.n:
+            raise RequestFieldError("best_of", f"best_of is not supported by this server unless equal to n ({body.n}); use n")
+    if isinstance(body, _SamplingFields) and body.stream_options is not None and not body.stream:
+        raise RequestFieldError("stream_options", "stream_options is only allowed when stream is true")
+    if isinstance(body, ChatCompletionRequest):
+        if body.modalities is not None and body.modalities != ["text"]:
+            raise RequestFieldError("modalities", f"modalities must be [\"text\"], got {body.modalities}")
+        if body.store:
+            raise RequestFieldError("store", "store is not supported: this server stores no completions")
+
+
+def _check_extra_fields(model: BaseModel, prefix: str) -> None:
+    for name, value in (model.model_extra or {}).items():
+        if value is None:
+            continue
+        field = prefix + name
+        reason = REFUSED_FIELDS.get(name) if not prefix else None
+        raise RequestFieldError(field, reason or f"unknown field {field!r}: this server does not support it")
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            _check_extra_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    _check_extra_fields(item, f"{prefix}{name}.{i}.")
+
+
+def _check_unicode(value, field: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestFieldError(
+                field or None,
+                f"{field or 'request body'}: invalid Unicode at character {e.start} "
+                f"({value[e.start]!a}, a lone surrogate): text must be valid UTF-8",
+            ) from None
+    elif isinstance(value, BaseModel):
+        for name in [*type(value).model_fields, *(value.model_extra or {})]:
+            _check_unicode(name, field)
+            _check_unicode(getattr(value, name), _join(field, name))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, field)
+            _check_unicode(item, _join(field, str(key)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, _join(field, str(i)))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 # -- responses are plain dicts; these name and date them -------------------------------------------

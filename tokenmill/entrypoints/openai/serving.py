@@ -4,6 +4,7 @@ response, whole or as server-sent events (one event per engine iteration)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class OpenAIServing:
 
     # -- request -> sampling params ---------------------------------------------------------------
 
-    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: bool = False) -> SamplingParams:
+        _check_structured_output(req)
         if not 1 <= req.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -88,6 +91,7 @@ class OpenAIServing:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def check_model(self, model: str | None) -> None:
@@ -99,13 +103,10 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, is_disconnected: Callable) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        if req.suffix:
-            raise unsupported("suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise unsupported("best_of", " (use n)")
-        if req.echo and req.logprobs is not None:
-            raise unsupported("echo", " together with logprobs")
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        # max_tokens 0 with echo scores the prompt: the engine samples one token, which is dropped.
+        score_only = req.echo and req.max_tokens == 0
+        echo_logprobs = req.echo and req.logprobs is not None
+        params = self.sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs, echo_logprobs)
         prompts = _prompt_list(req.prompt)
         base = completion_id("cmpl")
         jobs = []
@@ -114,22 +115,29 @@ class OpenAIServing:
             jobs.append(_Job(f"{base}-{i}", prompt, i * req.n, echo))
         streams = await self._start(jobs, params, chat=False)
         if req.stream:
-            return self._stream_completions(base, jobs, streams, req)
+            return self._stream_completions(base, jobs, streams, req, score_only)
         finals = await self._collect(streams, is_disconnected)
+        if score_only:
+            finals = [_without_completion(f) for f in finals]
         choices = []
         for job, final in zip(jobs, finals):
             for c in final.outputs:
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(c.logprobs, len(job.echo_text))
+                    if req.echo:
+                        logprobs = _concat_logprobs(self._prompt_logprobs(final), logprobs)
                 choices.append({
                     "index": job.first_index + c.index,
                     "text": job.echo_text + c.text,
-                    "logprobs": self._completion_logprobs(c.logprobs, 0) if params.logprobs is not None else None,
+                    "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })
         return {"id": base, "object": "text_completion", "created": now(), "model": self.model_name,
                 "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(finals)}
 
-    async def _stream_completions(self, base, jobs, streams, req) -> AsyncIterator[str]:
+    async def _stream_completions(self, base, jobs, streams, req, score_only: bool) -> AsyncIterator[str]:
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         finals: list[RequestOutput] = []
@@ -139,18 +147,21 @@ class OpenAIServing:
                 yield out
                 return
             job = jobs[job_index]
+            if score_only:
+                out = _without_completion(out)
             choices = []
             for c in out.outputs:
                 index = job.first_index + c.index
-                if not c.delta_token_ids and not c.finished and not c.delta_text:
+                first = index not in offsets
+                if not c.delta_token_ids and not c.finished and not c.delta_text and not first:
                     continue
-                text = c.delta_text
-                if job.echo_text and index not in offsets:
-                    text = job.echo_text + text
+                text = (job.echo_text if first else "") + c.delta_text
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
                     new = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                    logprobs = self._completion_logprobs(new, offsets.get(index, 0))
+                    logprobs = self._completion_logprobs(new, offsets.get(index, 0) + len(text) - len(c.delta_text))
+                    if req.echo and first:
+                        logprobs = _concat_logprobs(self._prompt_logprobs(out), logprobs)
                 offsets[index] = offsets.get(index, 0) + len(text)
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason,
@@ -171,8 +182,9 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.tools:
             raise unsupported("tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", " (only {\"type\": \"text\"})")
+        for field in ("tool_choice", "parallel_tool_calls"):
+            if getattr(req, field) is not None and not req.tools:
+                raise APIError(400, f"{field} is only allowed when tools are given", param=field)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
@@ -321,6 +333,21 @@ class OpenAIServing:
             })
         return result
 
+    def _prompt_logprobs(self, out: RequestOutput) -> dict:
+        """The prompt's tokens in the shape of completion logprobs, as echo returns them: the
+        first token has no logprob (nothing precedes it) and no top alternatives."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for i, token_id in enumerate(out.prompt_token_ids):
+            text = self._token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(out.prompt_logprobs[i])
+            alternatives = out.prompt_top_logprobs[i] if out.prompt_top_logprobs else []
+            top.append(None if i == 0 else {self._token_text(t): v for t, v in alternatives})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> dict:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for lp in logprobs or []:
@@ -381,6 +408,19 @@ async def _errors_as_events(items: AsyncIterator) -> AsyncIterator:
         yield None, _sse(body) + "data: [DONE]\n\n"
 
 
+def _concat_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def _without_completion(out: RequestOutput) -> RequestOutput:
+    """A score-only request's output: the prompt and its logprobs, none of the one sampled token."""
+    outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                   delta_text="", delta_token_ids=[], finish_reason="length" if c.finished else None,
+                                   stop_reason=None)
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=outputs)
+
+
 def _prompt_list(prompt) -> list:
     if isinstance(prompt, str):
         return [prompt]
@@ -389,6 +429,14 @@ def _prompt_list(prompt) -> list:
     if isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
+
+
+def _check_structured_output(req) -> None:
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise unsupported("response_format", " (only {\"type\": \"text\"})")
+    for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, field) is not None:
+            raise unsupported(field)
 
 
 def _message_dict(index: int, message) -> dict:
@@ -400,7 +448,10 @@ def _message_dict(index: int, message) -> dict:
                 raise APIError(400, f"messages[{index}].content: only text parts are supported", param=f"messages.{index}.content")
             texts.append(part["text"])
         content = "".join(texts)
-    return {"role": message.role, "content": content or ""}
+    result = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
