@@ -18,6 +18,9 @@ import torch
 # before any test module imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# No test reaches the Hugging Face hub (CI has none): a repository id resolves from the cache or
+# fails at once. huggingface_hub reads this when it is first imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint

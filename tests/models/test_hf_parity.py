@@ -80,11 +80,11 @@ class LogitsSpy:
         self.sampler = sampler
         self.first_logits: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def __call__(self, logits, rows):
+    def __call__(self, logits, rows, *args):
         for i, row in enumerate(rows):
             if len(row.output_token_ids) == 0:
                 self.first_logits[tuple(row.prompt_token_ids)] = logits[i].float().cpu().clone()
-        return self.sampler(logits, rows)
+        return self.sampler(logits, rows, *args)
 
 
 def run_tokenmill(llm: LLM, prompts, monkeypatch) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -158,19 +158,22 @@ def test_tiny_qwen2_dir_loads(tiny_qwen2_dir: Path) -> None:
 
 
 def test_legacy_config_keys(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
-    """transformers 4 wrote `rope_theta` and `rope_scaling` ("type"); a sliding window that
-    applies caps the context (within it, sliding attention is plain causal attention)."""
+    """transformers 4 wrote `rope_theta` and `rope_scaling` ("type"); Qwen2's sliding window
+    applies from layer max_window_layers on, and leaves the context as it is."""
     directory = tmp_path / "model"
     shutil.copytree(tiny_qwen2_dir, directory)
     raw = json.loads((directory / "config.json").read_text())
     del raw["rope_parameters"], raw["layer_types"]
     raw |= {"rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0},
-            "use_sliding_window": True, "sliding_window": 128}
+            "use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1}
     (directory / "config.json").write_text(json.dumps(raw))
     config = load_checkpoint(directory).config
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    assert config.max_position_embeddings == 128
+    assert config.max_position_embeddings == 2048
+    assert config.sliding_window == 128
+    assert config.layer_types == ("full_attention", "sliding_attention")
+    assert [config.layer_window(i) for i in range(2)] == [None, 128]
 
 
 def test_sharded_safetensors_dir(tiny_qwen2_dir: Path, tmp_path: Path) -> None:

@@ -17,10 +17,10 @@ class LastLogits:
         self.sampler = sampler
         self.seen: list[tuple[tuple[int, ...], torch.Tensor]] = []
 
-    def __call__(self, logits, rows):
+    def __call__(self, logits, rows, *args):
         for i, row in enumerate(rows):
             self.seen.append((tuple(row.prompt_token_ids) + tuple(row.output_token_ids), logits[i].cpu().clone()))
-        return self.sampler(logits, rows)
+        return self.sampler(logits, rows, *args)
 
 
 def test_tiny_qwen2_logits_and_greedy_match_hf(tiny_qwen2_dir, monkeypatch):

@@ -8,7 +8,10 @@ from tokenmill.layers.attention import make_backend
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import LoadedCheckpoint
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+from tokenmill.models.loader import SUPPORTED_ARCHITECTURES
+
+# Every family runs the one configurable decoder (models/llama.py).
+MODEL_CLASSES = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
 
 
 def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype,
@@ -22,5 +25,8 @@ def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dt
     model_cls = MODEL_CLASSES.get(arch.architecture)
     if model_cls is None:
         raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
+    if attention_backend == "triton" and (arch.sliding_window is not None or arch.attn_logit_softcap is not None):
+        raise ValueError(f"{checkpoint.source}: the triton attention backend has no sliding windows or soft-capped "
+                         "scores, which this model uses; use --attention-backend torch")
     with torch.device("cpu"):
         return model_cls(arch, make_backend(attention_backend, cpu_kernels), max_position, dtype, cpu_kernels)

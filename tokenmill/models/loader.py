@@ -32,7 +32,13 @@ if TYPE_CHECKING:
     import gguf
     from transformers import PreTrainedTokenizerBase
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
+                           "qwen3_moe")
+HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# rope_scaling types (Hugging Face's rope_type) that layers/rotary.py computes; "freq_factors" is
+# a GGUF file's per-dimension divisors of the frequencies (its rope_freqs tensor).
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
 class ModelLoadError(ValueError):
@@ -41,7 +47,10 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str  # normalized family: "llama" | "qwen2" | "mistral"
+    """One decoder-only family's shape. The fields after `eos_token_ids` are what families add to
+    the Llama baseline; their defaults are Llama's."""
+
+    architecture: str  # normalized family, one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,6 +66,43 @@ class ModelArchConfig:
     attention_bias: bool  # q/k/v projections have a bias (Qwen2)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # every id that ends generation
+    hidden_act: str = "silu"  # the MLP gate's activation: one of HIDDEN_ACTIVATIONS
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + weight): 1.0 in Gemma
+    # Norms on the attention and MLP outputs too, before each residual add (Gemma 2/3); the
+    # layer's second norm is then `pre_feedforward_layernorm`.
+    sandwich_norms: bool = False
+    embedding_multiplier: float = 1.0  # embeddings are scaled by it (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None  # softmax scale of q.k; None = head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # likewise for the logits
+    sliding_window: int | None = None  # keys a query sees on a sliding layer (itself included)
+    # Per layer "full_attention" | "sliding_attention"; None: every layer slides when
+    # sliding_window is set (Mistral, Phi-3), else none.
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # the RoPE base of sliding layers when it differs (Gemma 3)
+    # Mixture of experts: every layer's MLP routes each token to num_experts_per_tok of
+    # num_experts experts of moe_intermediate_size (0: a dense MLP), plus a shared expert of
+    # shared_expert_intermediate_size behind a sigmoid gate when that is > 0 (Qwen2-MoE).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' router weights are renormalized to sum to 1
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for a full-attention layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """Every layer attends within one window: K/V older than it is never read again."""
+        return self.sliding_window is not None and all(
+            self.layer_window(i) is not None for i in range(self.num_hidden_layers))
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -81,6 +127,22 @@ class ModelArchConfig:
             raise ValueError(f"rope_theta={self.rope_theta!r}; must be > 0")
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ValueError(f"rope_scaling={self.rope_scaling!r}; must have a 'rope_type' key")
+        if self.hidden_act not in HIDDEN_ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r}; supported: {', '.join(HIDDEN_ACTIVATIONS)}")
+        if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(f"sliding_window={self.sliding_window!r}; must be a positive int or None")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
+                                             or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types={self.layer_types!r}; must give one of {LAYER_TYPES} per layer")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "attention_scale", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r}; must be > 0 or None")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}, "
+                                 f"moe_intermediate_size={self.moe_intermediate_size}: need 0 < top-k <= experts "
+                                 "and a positive expert size")
         for name, token_id in [("bos_token_id", self.bos_token_id)] + [
             ("eos_token_ids", i) for i in self.eos_token_ids
         ]:
@@ -121,7 +183,8 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
 
 
 def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight name a checkpoint with `config` must provide, with its PyTorch shape."""
+    """Every weight name a checkpoint with `config` must provide, with its PyTorch shape (the
+    names of the family's Hugging Face checkpoints)."""
     hidden, q_size = config.hidden_size, config.num_attention_heads * config.head_dim
     kv_size, ffn = config.num_key_value_heads * config.head_dim, config.intermediate_size
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
@@ -131,21 +194,59 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
         layer = f"model.layers.{i}"
         shapes |= {
             f"{layer}.input_layernorm.weight": (hidden,),
-            f"{layer}.self_attn.q_proj.weight": (q_size, hidden),
-            f"{layer}.self_attn.k_proj.weight": (kv_size, hidden),
-            f"{layer}.self_attn.v_proj.weight": (kv_size, hidden),
             f"{layer}.self_attn.o_proj.weight": (hidden, q_size),
             f"{layer}.post_attention_layernorm.weight": (hidden,),
-            f"{layer}.mlp.gate_proj.weight": (ffn, hidden),
-            f"{layer}.mlp.up_proj.weight": (ffn, hidden),
-            f"{layer}.mlp.down_proj.weight": (hidden, ffn),
         }
+        if config.architecture == "phi3":  # fused in the checkpoint as they are here
+            shapes[f"{layer}.self_attn.qkv_proj.weight"] = (q_size + 2 * kv_size, hidden)
+            shapes[f"{layer}.mlp.gate_up_proj.weight"] = (2 * ffn, hidden)
+            shapes[f"{layer}.mlp.down_proj.weight"] = (hidden, ffn)
+        else:
+            shapes |= {
+                f"{layer}.self_attn.q_proj.weight": (q_size, hidden),
+                f"{layer}.self_attn.k_proj.weight": (kv_size, hidden),
+                f"{layer}.self_attn.v_proj.weight": (kv_size, hidden),
+            }
         if config.attention_bias:
             shapes |= {
                 f"{layer}.self_attn.q_proj.bias": (q_size,),
                 f"{layer}.self_attn.k_proj.bias": (kv_size,),
                 f"{layer}.self_attn.v_proj.bias": (kv_size,),
             }
+        if config.qk_norm:
+            shapes |= {f"{layer}.self_attn.q_norm.weight": (config.head_dim,),
+                       f"{layer}.self_attn.k_norm.weight": (config.head_dim,)}
+        if config.sandwich_norms:
+            shapes |= {f"{layer}.pre_feedforward_layernorm.weight": (hidden,),
+                       f"{layer}.post_feedforward_layernorm.weight": (hidden,)}
+        shapes |= _mlp_shapes(config, layer)
+    return shapes
+
+
+def _mlp_shapes(config: ModelArchConfig, layer: str) -> dict[str, tuple[int, ...]]:
+    hidden, ffn = config.hidden_size, config.intermediate_size
+    if config.architecture == "phi3":
+        return {}
+    if not config.num_experts:
+        return {f"{layer}.mlp.gate_proj.weight": (ffn, hidden), f"{layer}.mlp.up_proj.weight": (ffn, hidden),
+                f"{layer}.mlp.down_proj.weight": (hidden, ffn)}
+    inner, shapes = config.moe_intermediate_size, {}
+    if config.architecture == "mixtral":
+        shapes[f"{layer}.block_sparse_moe.gate.weight"] = (config.num_experts, hidden)
+        for e in range(config.num_experts):
+            expert = f"{layer}.block_sparse_moe.experts.{e}"
+            shapes |= {f"{expert}.w1.weight": (inner, hidden), f"{expert}.w3.weight": (inner, hidden),
+                       f"{expert}.w2.weight": (hidden, inner)}
+        return shapes
+    shapes[f"{layer}.mlp.gate.weight"] = (config.num_experts, hidden)
+    for e in range(config.num_experts):
+        expert = f"{layer}.mlp.experts.{e}"
+        shapes |= {f"{expert}.gate_proj.weight": (inner, hidden), f"{expert}.up_proj.weight": (inner, hidden),
+                   f"{expert}.down_proj.weight": (hidden, inner)}
+    if shared := config.shared_expert_intermediate_size:
+        expert = f"{layer}.mlp.shared_expert"
+        shapes |= {f"{expert}.gate_proj.weight": (shared, hidden), f"{expert}.up_proj.weight": (shared, hidden),
+                   f"{expert}.down_proj.weight": (hidden, shared), f"{layer}.mlp.shared_expert_gate.weight": (1, hidden)}
     return shapes
 
 
@@ -178,14 +279,23 @@ def _unique(ids: list[int | None]) -> tuple[int, ...]:
 class _GgufArch:
     architecture: str  # our normalized family
     # llama.cpp's converter permutes the q/k rows of Llama checkpoints so that each head's two
-    # RoPE halves are interleaved (its "normal" rope); Qwen2 uses NeoX rope and is stored as is.
-    rows_permuted_for_rope: bool
+    # RoPE halves are interleaved (its "normal" rope); the others use NeoX rope, stored as is.
+    rows_permuted_for_rope: bool = False
+    # llama.cpp stores Gemma's norm weights as (1 + w): the loader hands out w, as in the checkpoint.
+    norm_stored_plus_one: bool = False
 
 
-# general.architecture -> family. Mistral GGUFs say "llama" (same tensors, same permutation).
+# general.architecture -> family. Mistral GGUFs say "llama" (same tensors, same permutation), and
+# so do Mixtral's (with an expert count).
 _GGUF_ARCHS = {
     "llama": _GgufArch("llama", rows_permuted_for_rope=True),
-    "qwen2": _GgufArch("qwen2", rows_permuted_for_rope=False),
+    "qwen2": _GgufArch("qwen2"),
+    "qwen3": _GgufArch("qwen3"),
+    "phi3": _GgufArch("phi3"),
+    "gemma2": _GgufArch("gemma2", norm_stored_plus_one=True),
+    "gemma3": _GgufArch("gemma3", norm_stored_plus_one=True),
+    "qwen2moe": _GgufArch("qwen2_moe"),
+    "qwen3moe": _GgufArch("qwen3_moe"),
 }
 
 # GGUF tensor name -> Hugging Face name; "{bid}" is the layer index.
@@ -200,12 +310,34 @@ _GGUF_TO_HF = {
     "blk.{bid}.attn_q.bias": "model.layers.{bid}.self_attn.q_proj.bias",
     "blk.{bid}.attn_k.bias": "model.layers.{bid}.self_attn.k_proj.bias",
     "blk.{bid}.attn_v.bias": "model.layers.{bid}.self_attn.v_proj.bias",
+    "blk.{bid}.attn_qkv.weight": "model.layers.{bid}.self_attn.qkv_proj.weight",
+    "blk.{bid}.attn_q_norm.weight": "model.layers.{bid}.self_attn.q_norm.weight",
+    "blk.{bid}.attn_k_norm.weight": "model.layers.{bid}.self_attn.k_norm.weight",
     "blk.{bid}.attn_output.weight": "model.layers.{bid}.self_attn.o_proj.weight",
     "blk.{bid}.ffn_norm.weight": "model.layers.{bid}.post_attention_layernorm.weight",
     "blk.{bid}.ffn_gate.weight": "model.layers.{bid}.mlp.gate_proj.weight",
     "blk.{bid}.ffn_up.weight": "model.layers.{bid}.mlp.up_proj.weight",
     "blk.{bid}.ffn_down.weight": "model.layers.{bid}.mlp.down_proj.weight",
+    # mixtures of experts: the router, the shared expert and its gate
+    "blk.{bid}.ffn_gate_inp.weight": "model.layers.{bid}.mlp.gate.weight",
+    "blk.{bid}.ffn_gate_shexp.weight": "model.layers.{bid}.mlp.shared_expert.gate_proj.weight",
+    "blk.{bid}.ffn_up_shexp.weight": "model.layers.{bid}.mlp.shared_expert.up_proj.weight",
+    "blk.{bid}.ffn_down_shexp.weight": "model.layers.{bid}.mlp.shared_expert.down_proj.weight",
+    "blk.{bid}.ffn_gate_inp_shexp.weight": "model.layers.{bid}.mlp.shared_expert_gate.weight",
 }
+# Where a family's tensors differ: Gemma's norms around both sublayers; Phi-3's fused gate/up.
+_GGUF_TO_HF_BY_FAMILY = {
+    "gemma2": {
+        "blk.{bid}.post_attention_norm.weight": "model.layers.{bid}.post_attention_layernorm.weight",
+        "blk.{bid}.ffn_norm.weight": "model.layers.{bid}.pre_feedforward_layernorm.weight",
+        "blk.{bid}.post_ffw_norm.weight": "model.layers.{bid}.post_feedforward_layernorm.weight",
+    },
+    "phi3": {"blk.{bid}.ffn_up.weight": "model.layers.{bid}.mlp.gate_up_proj.weight"},
+}
+_GGUF_TO_HF_BY_FAMILY["gemma3"] = _GGUF_TO_HF_BY_FAMILY["gemma2"]
+# A mixture of experts' 3-D tensors, one slice per expert -> the per-expert name's projection.
+_GGUF_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 # GGUF tensors whose rows llama.cpp permuted (when the arch says so) -> how many heads they hold.
 _GGUF_ROPE_PERMUTED_HEADS = {
@@ -216,12 +348,28 @@ _GGUF_ROPE_PERMUTED_HEADS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_names(gguf_name: str, config: ModelArchConfig) -> list[str] | None:
+    """The Hugging Face name(s) of GGUF tensor `gguf_name` (an expert tensor holds one per
+    expert), or None when the family has no such tensor."""
+    family = config.architecture
     if match := _LAYER_NAME.fullmatch(gguf_name):
         bid, part, kind = match.groups()
-        template = _GGUF_TO_HF.get(f"blk.{{bid}}.{part}.{kind}")
-        return template.format(bid=bid) if template else None
-    return _GGUF_TO_HF.get(gguf_name)
+        if part in _GGUF_EXPERT_TENSORS and kind == "weight" and config.num_experts:
+            proj = _GGUF_EXPERT_TENSORS[part]
+            if family == "mixtral":
+                return [f"model.layers.{bid}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT_NAMES[proj]}.weight"
+                        for e in range(config.num_experts)]
+            return [f"model.layers.{bid}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts)]
+        key = f"blk.{{bid}}.{part}.{kind}"
+        template = _GGUF_TO_HF_BY_FAMILY.get(family, {}).get(key) or _GGUF_TO_HF.get(key)
+        if template is None:
+            return None
+        name = template.format(bid=bid)
+        if family == "mixtral":
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        return [name]
+    name = _GGUF_TO_HF.get(gguf_name)
+    return [name] if name else None
 
 
 def _undo_rope_permutation(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -251,21 +399,27 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
     for t in reader.tensors:
         if t.data.nbytes != t.n_bytes:
             raise ModelLoadError(f"{path}: tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes (truncated?)")
-    if "rope_freqs.weight" in tensors:
-        # Llama 3.1-style per-dimension RoPE factors; no field of ModelArchConfig carries them.
-        raise ModelLoadError(f"{path}: per-dimension RoPE frequency factors (rope_freqs) are not supported")
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise ModelLoadError(f"{path}: LongRoPE (rope_factors_long/short) is not supported")
 
     config = _gguf_config(reader, path, gguf_arch, arch.architecture, tensors)
-    hf_names = {}
-    for name in tensors:
-        hf_name = _hf_name(name)
-        if hf_name is None:
-            raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for architecture {gguf_arch!r}")
-        hf_names[name] = hf_name
-    # GGUF lists dims innermost first: reversed, they are PyTorch's [out, in].
-    _check_tensor_shapes(
-        path, config, {hf_names[n]: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()}
-    )
+    hf_names: dict[str, list[str]] = {}
+    found: dict[str, tuple[int, ...]] = {}
+    for name, t in tensors.items():
+        if name == "rope_freqs.weight":  # read into config.rope_scaling
+            continue
+        names = _hf_names(name, config)
+        if names is None:
+            what = " (a mixture of experts' tensor: this file's experts are not in its metadata)" if "_exps" in name else ""
+            raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for architecture {gguf_arch!r}{what}")
+        hf_names[name] = names
+        # GGUF lists dims innermost first: reversed, they are PyTorch's [out, in].
+        shape = tuple(int(d) for d in reversed(t.shape))
+        for hf_name in names:
+            found[hf_name] = shape[1:] if len(names) > 1 else shape
+        if names[0].endswith("shared_expert_gate.weight") and len(shape) == 1:
+            found[names[0]] = (1, *shape)
+    _check_tensor_shapes(path, config, found)
 
     permuted_heads = (
         {kind: getattr(config, attr) for kind, attr in _GGUF_ROPE_PERMUTED_HEADS.items()}
@@ -275,15 +429,24 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
 
     def read_weights() -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in reader.tensors:
+            if tensor.name not in hf_names:
+                continue
             # A plain-ndarray view: numpy's memmap subclass costs ~20% in dequantize's slicing.
             values = gguf.quants.dequantize(tensor.data.view(np.ndarray), tensor.tensor_type)
             values = np.asarray(values, dtype=np.float32)
             kind = tensor.name.split(".")[-2]
             if kind in permuted_heads:
                 values = _undo_rope_permutation(values, permuted_heads[kind])
+            if arch.norm_stored_plus_one and kind.endswith("norm"):
+                values = values - 1.0
             if np.may_share_memory(values, tensor.data):  # a view of the read-only file mapping
                 values = values.copy()
-            yield hf_names[tensor.name], torch.from_numpy(np.ascontiguousarray(values))
+            names = hf_names[tensor.name]
+            if len(names) > 1:  # one slice per expert
+                for name, part in zip(names, values):
+                    yield name, torch.from_numpy(np.ascontiguousarray(part))
+            else:
+                yield names[0], torch.from_numpy(np.ascontiguousarray(values)).view(found[names[0]])
 
     tokenizer = _gguf_tokenizer(path, reader)
     return LoadedCheckpoint(source=path, config=config, tokenizer=tokenizer, _read_weights=read_weights)
@@ -320,19 +483,58 @@ def _gguf_config(
         raise ModelLoadError(f"{path}: partial rotary (rope dims {rope_dim} of head_dim {head_dim}) is not supported")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens.data) if tokens is not None else meta(f"{gguf_arch}.vocab_size")
+    num_layers = int(meta(f"{gguf_arch}.block_count"))
+    rope_scaling = _gguf_rope_scaling(path, gguf_arch, meta)
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama.cpp divides each frequency by its factor
+        if rope_scaling is not None:
+            raise ModelLoadError(f"{path}: both rope_freqs and RoPE scaling metadata")
+        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+    family, extra = architecture, {}
+    expert_count = int(meta(f"{gguf_arch}.expert_count", 0) or 0)
+    if gguf_arch == "llama" and expert_count:
+        family = "mixtral"
+    if family in ("gemma2", "gemma3"):
+        # llama.cpp's attention scale: 1/sqrt(hidden / heads) for the 27B sizes, else 1/sqrt(head_dim).
+        big = num_layers == (46 if family == "gemma2" else 62)
+        window = int(meta(f"{gguf_arch}.attention.sliding_window", 4096))
+        pattern = 2 if family == "gemma2" else 6
+        extra = dict(hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True,
+                     embedding_multiplier=float(hidden_size) ** 0.5,
+                     attention_scale=(hidden_size / num_heads if big else head_dim) ** -0.5,
+                     sliding_window=window,
+                     layer_types=tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(num_layers)))
+        if family == "gemma2":
+            extra |= dict(attn_logit_softcap=_positive_or_none(meta("gemma2.attn_logit_softcapping", 50.0)),
+                          final_logit_softcap=_positive_or_none(meta("gemma2.final_logit_softcapping", 30.0)))
+        else:
+            extra |= dict(qk_norm=True, local_rope_theta=10000.0)
+    elif family in ("qwen3", "qwen3_moe"):
+        extra = dict(qk_norm=True)
+    elif family == "phi3":
+        window = meta("phi3.attention.sliding_window", None)
+        extra = dict(sliding_window=int(window) if window else None)
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        extra |= dict(num_experts=expert_count, num_experts_per_tok=int(meta(f"{gguf_arch}.expert_used_count")),
+                      moe_intermediate_size=int(meta(f"{gguf_arch}.expert_feed_forward_length", None)
+                                                or meta(f"{gguf_arch}.feed_forward_length")),
+                      shared_expert_intermediate_size=int(meta(f"{gguf_arch}.expert_shared_feed_forward_length", 0)),
+                      norm_topk_prob=family != "qwen2_moe")
+    ffn = meta(f"{gguf_arch}.feed_forward_length", None) or extra.get("moe_intermediate_size")
     try:
         return ModelArchConfig(
-            architecture=architecture,
+            architecture=family,
             vocab_size=int(vocab_size),
             hidden_size=int(hidden_size),
-            intermediate_size=int(meta(f"{gguf_arch}.feed_forward_length")),
-            num_hidden_layers=int(meta(f"{gguf_arch}.block_count")),
+            intermediate_size=int(ffn),
+            num_hidden_layers=num_layers,
             num_attention_heads=int(num_heads),
             num_key_value_heads=int(meta(f"{gguf_arch}.attention.head_count_kv", num_heads)),
             head_dim=int(head_dim),
             rms_norm_eps=float(meta(f"{gguf_arch}.attention.layer_norm_rms_epsilon")),
             rope_theta=float(meta(f"{gguf_arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(path, gguf_arch, meta),
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(meta(f"{gguf_arch}.context_length")),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
@@ -340,8 +542,9 @@ def _gguf_config(
             eos_token_ids=_unique(
                 [meta(f"tokenizer.ggml.{key}_token_id", None) for key in ("eos", "eot", "eom")]
             ),
+            **extra,
         )
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path}: bad model metadata: {exc}") from exc
 
 
@@ -408,16 +611,32 @@ def _gguf_tokenizer_cached(path: str, size: int, mtime_ns: int) -> PreTrainedTok
 # --------------------------------------------------------------------------------------------
 # Hugging Face directory
 
-# config.json model_type -> family, and the defaults transformers uses for keys a config omits.
-_HF_MODEL_TYPES: dict[str, dict[str, Any]] = {
-    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-              "tie_word_embeddings": False},
-    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096 * 32,
-                "tie_word_embeddings": False},
-    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768,
-              "tie_word_embeddings": False},
+# config.json model_type -> (family, the defaults transformers uses for keys a config omits).
+_LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+                   "tie_word_embeddings": False}
+_GEMMA_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
+                   "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
+_HF_MODEL_TYPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", _LLAMA_DEFAULTS),
+    "mistral": ("mistral", _LLAMA_DEFAULTS | {"max_position_embeddings": 4096 * 32}),
+    "qwen2": ("qwen2", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768}),
+    "qwen3": ("qwen3", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768, "head_dim": 128}),
+    "phi3": ("phi3", _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}),
+    "gemma2": ("gemma2", _GEMMA_DEFAULTS | {"rope_theta": 10000.0, "max_position_embeddings": 8192,
+                                            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3_text": ("gemma3", _GEMMA_DEFAULTS | {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
+                                                 "max_position_embeddings": 131072, "sliding_window_pattern": 6}),
+    "mixtral": ("mixtral", _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+                                              "max_position_embeddings": 4096 * 32, "num_local_experts": 8,
+                                              "num_experts_per_tok": 2}),
+    "qwen2_moe": ("qwen2_moe", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768, "num_experts": 60,
+                                                  "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                                                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False}),
+    "qwen3_moe": ("qwen3_moe", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768, "head_dim": 128, "num_experts": 128,
+                                                  "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                                                  "norm_topk_prob": False}),
 }
-assert _HF_MODEL_TYPES.keys() == set(SUPPORTED_ARCHITECTURES)
+assert {family for family, _ in _HF_MODEL_TYPES.values()} == set(SUPPORTED_ARCHITECTURES)
 
 # Buffers some checkpoints carry that are recomputed from the config.
 _HF_SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -425,7 +644,10 @@ _HF_SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 def _load_hf_dir(directory: Path) -> LoadedCheckpoint:
     raw = _read_json(directory / "config.json", required=True)
-    config = _hf_config(directory, raw)
+    if isinstance(raw.get("tokenmill_arch"), dict):  # written by `tokenmill quantize`: the config as it was
+        config = arch_config_from_dict(directory / "config.json", raw["tokenmill_arch"])
+    else:
+        config = _hf_config(directory, raw)
     quantization = raw.get("quantization_config")
     if quantization is not None and quantization.get("quant_method") != "tokenmill":
         raise ModelLoadError(f"{directory}: quantization_config {quantization.get('quant_method')!r} is not supported "
@@ -482,14 +704,14 @@ def _read_json(path: Path, required: bool) -> dict | None:
 def _hf_config(directory: Path, raw: dict) -> ModelArchConfig:
     source = directory / "config.json"
     model_type = raw.get("model_type")
+    if model_type == "gemma3" and "text_config" in raw:
+        raise ModelLoadError(f"{source}: a multimodal Gemma 3 checkpoint (model_type 'gemma3' with a vision tower) "
+                             "is not supported; its text-only sizes (model_type 'gemma3_text') are")
     if model_type not in _HF_MODEL_TYPES:
         raise ModelLoadError(
-            f"{source}: model_type {model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(_HF_MODEL_TYPES)}"
         )
-    defaults = _HF_MODEL_TYPES[model_type]
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (silu is)")
+    family, defaults = _HF_MODEL_TYPES[model_type]
 
     def get(key: str) -> Any:
         value = raw.get(key)
@@ -499,52 +721,150 @@ def _hf_config(directory: Path, raw: dict) -> ModelArchConfig:
             raise ModelLoadError(f"{source}: no {key!r}")
         return value
 
-    # transformers 5 writes `rope_parameters` (theta included); older configs `rope_theta` and
-    # `rope_scaling` (whose type key was once "type").
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope_theta = rope.pop("rope_theta", None) or raw.get("rope_theta") or defaults["rope_theta"]
-    if "type" in rope:
-        rope.setdefault("rope_type", rope.pop("type"))
-    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+    def optional(key: str) -> Any:
+        return raw[key] if key in raw else defaults.get(key)
 
-    max_position = int(get("max_position_embeddings"))
-    window = raw.get("sliding_window")
-    slides = model_type == "mistral" or raw.get("use_sliding_window") or (
-        "sliding_attention" in (raw.get("layer_types") or ())
-    )
-    if window and slides and window < max_position:
-        # Within the window, sliding-window attention is plain causal attention.
-        max_position = int(window)
+    hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or defaults.get("hidden_activation", "silu")
+    if hidden_act == "gelu" and family.startswith("gemma"):
+        hidden_act = "gelu_pytorch_tanh"  # what transformers runs for Gemma whatever the config says
+    if hidden_act not in HIDDEN_ACTIVATIONS:
+        raise ModelLoadError(f"{source}: hidden_act {hidden_act!r} is not supported ({', '.join(HIDDEN_ACTIVATIONS)} are)")
+    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ModelLoadError(f"{source}: partial rotary (partial_rotary_factor {raw['partial_rotary_factor']}) "
+                             "is not supported")
+    num_layers = int(get("num_hidden_layers"))
+    rope_theta, rope_scaling, local_theta = _hf_rope(source, raw, defaults)
+    window, layer_types = _hf_sliding_window(raw, family, num_layers, optional)
 
     num_heads = int(get("num_attention_heads"))
     hidden_size = int(get("hidden_size"))
+    head_dim = int(raw.get("head_dim") or defaults.get("head_dim") or hidden_size // num_heads)
     generation = _read_json(directory / "generation_config.json", required=False) or {}
     eos_ids = []
     for eos in (raw.get("eos_token_id"), generation.get("eos_token_id")):
         eos_ids.extend(eos if isinstance(eos, list) else [eos])
+    gemma = family in ("gemma2", "gemma3")
     try:
         return ModelArchConfig(
-            architecture=model_type,
+            architecture=family,
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden_size,
             intermediate_size=int(get("intermediate_size")),
-            num_hidden_layers=int(get("num_hidden_layers")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=max_position,
+            max_position_embeddings=int(get("max_position_embeddings")),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
-            # Qwen2 always has q/k/v biases; for Llama the flag also puts a bias on o_proj,
-            # which the shape check then reports as unsupported.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            # Qwen2 and Qwen2-MoE always have q/k/v biases; for Llama the flag also puts a bias on
+            # o_proj, which the shape check then reports as unsupported.
+            attention_bias=family in ("qwen2", "qwen2_moe") or bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id", generation.get("bos_token_id")),
             eos_token_ids=_unique(eos_ids),
+            hidden_act=hidden_act,
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            embedding_multiplier=hidden_size**0.5 if gemma else 1.0,
+            attention_scale=float(get("query_pre_attn_scalar")) ** -0.5 if gemma else None,
+            attn_logit_softcap=_positive_or_none(optional("attn_logit_softcapping")),
+            final_logit_softcap=_positive_or_none(optional("final_logit_softcapping")),
+            sliding_window=window,
+            layer_types=layer_types,
+            local_rope_theta=local_theta,
+            **_hf_moe(source, raw, family, get, optional),
         )
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc
+
+
+def arch_config_from_dict(source: Path, values: dict) -> ModelArchConfig:
+    """A ModelArchConfig from `dataclasses.asdict` of one (as `tokenmill quantize` stores it)."""
+    values = dict(values)
+    for key in ("eos_token_ids", "layer_types"):
+        if isinstance(values.get(key), list):
+            values[key] = tuple(values[key])
+    try:
+        return ModelArchConfig(**values)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: bad tokenmill_arch ({exc})") from exc
+
+
+def _positive_or_none(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def _hf_rope(source: Path, raw: dict, defaults: dict) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding layers' own base or None) from a config.json.
+
+    transformers 5 writes `rope_parameters` (theta included; per layer type for Gemma 3); older
+    configs `rope_theta` and `rope_scaling` (whose type key was once "type"), and Gemma 3's
+    sliding layers' base as `rope_local_base_freq`."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    local_theta = raw.get("rope_local_base_freq", defaults.get("rope_local_base_freq"))
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta", local_theta)
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{source}: RoPE scaling on sliding layers ({local['rope_type']!r}) is not supported")
+        params = params.get("full_attention") or {}
+    rope = dict(params)
+    rope_theta = rope.pop("rope_theta", None) or raw.get("rope_theta") or defaults["rope_theta"]
+    if "type" in rope:
+        rope.setdefault("rope_type", rope.pop("type"))
+    rope.pop("partial_rotary_factor", None)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in rope:
+        rope["original_max_position_embeddings"] = int(raw.get("original_max_position_embeddings")
+                                                        or raw.get("max_position_embeddings"))
+    if rope_type == "yarn" and rope.get("factor") is None:
+        rope["factor"] = raw["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{source}: RoPE scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are)")
+    rope_scaling = rope if rope_type != "default" else None
+    local = float(local_theta) if local_theta is not None and float(local_theta) != float(rope_theta) else None
+    return float(rope_theta), rope_scaling, local
+
+
+def _hf_sliding_window(raw: dict, family: str, num_layers: int, optional: Callable[[str], Any]
+                       ) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers reads them for the family."""
+    window = optional("sliding_window")
+    if not window or (family == "qwen2" or family.endswith("_moe")) and not raw.get("use_sliding_window"):
+        return None, None  # Qwen configs carry a window they do not use unless use_sliding_window
+    layer_types = raw.get("layer_types")
+    if layer_types is None and family == "gemma2":
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if layer_types is None and family == "gemma3":
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or optional("sliding_window_pattern"))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if layer_types is None and family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        first_full = raw.get("max_window_layers", num_layers)  # the layers below it slide
+        layer_types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(num_layers)]
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None, None
+    return int(window), tuple(layer_types) if layer_types is not None else None
+
+
+def _hf_moe(source: Path, raw: dict, family: str, get: Callable[[str], Any], optional: Callable[[str], Any]) -> dict:
+    """The mixture-of-experts fields of ModelArchConfig ({} for a dense family)."""
+    if family == "mixtral":
+        return {"num_experts": int(get("num_local_experts")), "num_experts_per_tok": int(get("num_experts_per_tok")),
+                "moe_intermediate_size": int(get("intermediate_size")), "norm_topk_prob": True}
+    if family not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    if int(raw.get("decoder_sparse_step") or 1) != 1 or raw.get("mlp_only_layers"):
+        raise ModelLoadError(f"{source}: dense MLP layers between expert layers (decoder_sparse_step "
+                             f"{raw.get('decoder_sparse_step')}, mlp_only_layers {raw.get('mlp_only_layers')}) "
+                             "are not supported")
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or get("num_experts")  # transformers 5 writes the latter
+    return {"num_experts": int(experts), "num_experts_per_tok": int(get("num_experts_per_tok")),
+            "moe_intermediate_size": int(get("moe_intermediate_size")),
+            "shared_expert_intermediate_size": int(optional("shared_expert_intermediate_size") or 0),
+            "norm_topk_prob": bool(optional("norm_topk_prob"))}
 
 
 def _safetensors_files(directory: Path) -> list[Path]:

@@ -1,12 +1,15 @@
 """Turning what a user typed for `--model` into a checkpoint on disk.
 
-A model is named either by an alias (a real checkpoint shipped inside a pip package; there is no
-model hub on these machines) or by a path: a `.gguf` file, a Hugging Face directory with
-`config.json`, or a directory holding exactly one `.gguf` file.
+A model is named by an alias (a real checkpoint shipped inside a pip package), by a path (a
+`.gguf` file, a Hugging Face directory with `config.json`, or a directory holding exactly one
+`.gguf` file), or by a Hugging Face repository id such as `Qwen/Qwen2.5-0.5B-Instruct`: its files
+are taken from huggingface_hub's local cache (HF_HOME) when they are there, else downloaded
+(unless HF_HUB_OFFLINE is set), and the error says what is missing when neither works.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tokenmill.packaged import PackagedFileError, locate_packaged_file
@@ -64,9 +67,39 @@ def resolve_model(name_or_path: str) -> Path:
         raise ModelNotFoundError(
             f"model {str(path)!r} is not a .gguf file or a model directory; {_known_aliases()}"
         )
+    if _REPO_ID.fullmatch(name_or_path):
+        return resolve_model(str(_hub_snapshot(name_or_path)))
     raise ModelNotFoundError(
         f"model {name_or_path!r} is neither a known alias nor an existing path; {_known_aliases()}"
     )
+
+
+# A Hugging Face repository id, "owner/name" (what is not a path that exists).
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a model repository's snapshot needs here: config, weights, tokenizer and chat template.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot directory of Hugging Face repository `repo_id`: from the cache when it
+    is there, else downloaded, unless offline."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+    except Exception as cached_exc:  # noqa: BLE001 - not (completely) in the cache: download below
+        cached_error = cached_exc
+    where = f"the Hugging Face cache {constants.HF_HUB_CACHE}"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"model {repo_id!r} is not in {where} and HF_HUB_OFFLINE is set "
+                                 f"({type(cached_error).__name__}); download it with `hf download {repo_id}` "
+                                 "on a machine online, or pass a local path") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown or gated repository, ...
+        raise ModelNotFoundError(f"model {repo_id!r} is not in {where} and could not be downloaded "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                 f"{_known_aliases()}") from None
 
 
 def _locate_packaged_file(alias: str) -> Path:

@@ -164,11 +164,11 @@ class _Batch:
     def __init__(self, model: nn.Module, sequences: list[list[int]], block_size: int = 16):
         input_ids, positions, self.meta, caches = _scratch_prefill(model, sequences, block_size, 1)
         self.cache = caches[0]
-        self.cos_sin = model.rotary.lookup(positions)
-        self.x = model.embed_tokens(input_ids)  # as LlamaForCausalLM.forward begins
+        self.cos_sins = model.rope_rows(positions)
+        self.x = model.embed(input_ids)  # as LlamaForCausalLM.forward begins
 
     def run(self, layer: nn.Module) -> torch.Tensor:
-        return layer(self.cos_sin, self.x, self.cache, self.meta)
+        return layer(self.cos_sins, self.x, self.cache, self.meta)
 
 
 @torch.inference_mode()

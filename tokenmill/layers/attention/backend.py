@@ -26,7 +26,7 @@ s // block_size, offset s % block_size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -78,6 +78,12 @@ class AttentionMetadata:
     # With the prefill kernel: the chunks' blocks padded likewise [num_chunks, max_num_blocks],
     # their context lengths and chunk lengths [num_chunks], all int32.
     prefill_kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The step as the host laid it out, and its longest context: a layer with a sliding window
+    # at least that long, and no logit soft-capping, attends as every other layer does.
+    layout: BatchLayout | None = None
+    max_seq_len: int = 0
+    # The masked decode path's gathered tables and masks, per window (None: whole contexts).
+    windowed_decodes: dict = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
@@ -135,11 +141,18 @@ class TorchAttentionBackend:
             # A chunk with no earlier context attends to its own K/V and reads no blocks.
             prefill_block_ids=[torch.tensor(t if s > q else [], dtype=torch.long, device=device) for t, s, q
                                in zip(layout.prefill_tables, layout.prefill_seq_lens, layout.prefill_query_lens)],
+            layout=layout,
+            max_seq_len=max(layout.decode_seq_lens + layout.prefill_seq_lens, default=0),
         )
 
-    def forward(self, query, key, value, kv_cache, meta, scale, kv_written=False):
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_written=False, window=None, softcap=None):
+        """`window`: each query sees only the `window` latest keys, itself included (a sliding
+        layer); `softcap`: scores become softcap * tanh(scores / softcap) before the mask. Either
+        one, where it changes anything, takes `_masked` instead of the kernels and SDPA."""
         if not kv_written:
             _write_kv(kv_cache, meta.slot_mapping, key, value)
+        if softcap is not None or (window is not None and window < meta.max_seq_len):
+            return self._masked(query, key, value, kv_cache, meta, scale, window, softcap)
         n = meta.num_decodes
         prefill_kernel = prefill_kernel_takes(meta, query.dtype, query.shape[-1], kv_cache)
         if meta.decode_block_tables is not None or prefill_kernel:  # through the kernels, into `out`
@@ -207,6 +220,43 @@ class TorchAttentionBackend:
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [q_len, seq_len]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return o.flatten(0, 1).transpose(0, 1)
+
+    def _masked(self, query, key, value, kv_cache, meta, scale, window, softcap) -> torch.Tensor:
+        """Attention with a sliding window and/or soft-capped scores, in PyTorch ops: the decodes
+        as one padded batch over just the blocks their windows reach, then each prefill chunk."""
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        n, layout = meta.num_decodes, meta.layout
+        if n:
+            if window not in meta.windowed_decodes:
+                meta.windowed_decodes[window] = _windowed_tables(layout, window, query.device)
+            tables, mask = meta.windowed_decodes[window]
+            num_heads, head_dim = query.shape[1:]
+            kv_heads = kv_cache[0].shape[2]
+            k, v = _gather(kv_cache, tables.view(-1), query.dtype)
+            k = k.view(n, -1, kv_heads, head_dim).transpose(1, 2)[:, :, None]  # [n, kv_heads, 1, keys, head_dim]
+            v = v.view(n, -1, kv_heads, head_dim).transpose(1, 2)[:, :, None]
+            q = query[:n].reshape(n, kv_heads, num_heads // kv_heads, 1, head_dim)
+            out[:n] = _attend(q, k, v, mask, scale, softcap).view(n, num_heads, head_dim)
+        start = n
+        for q_len, seq_len, block_ids in zip(meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_ids):
+            end = start + q_len
+            if seq_len == q_len:
+                k, v = key[start:end], value[start:end]
+            else:
+                k, v = _gather(kv_cache, block_ids, query.dtype)
+                k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
+            q_len_, num_heads, head_dim = query[start:end].shape
+            kv_heads = k.shape[1]
+            q = query[start:end].transpose(0, 1).unflatten(0, (kv_heads, num_heads // kv_heads))[None]
+            rows = torch.arange(q_len, device=query.device)[:, None] + (seq_len - q_len)
+            cols = torch.arange(seq_len, device=query.device)[None, :]
+            mask = cols <= rows
+            if window is not None:
+                mask &= cols > rows - window
+            o = _attend(q, k.transpose(0, 1)[None, :, None], v.transpose(0, 1)[None, :, None], mask, scale, softcap)
+            out[start:end] = o[0].flatten(0, 1).transpose(0, 1)
+            start = end
+        return out
 
     @staticmethod
     def _decode(q, kv_cache, group, scale):
@@ -276,6 +326,41 @@ def split_by_length(lengths: list[int], group_cost: int = 12) -> list[int]:
         sizes.append(prefix[j] - prefix[cut[j]])
         j = cut[j]
     return sizes[::-1]
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [b, kv_heads, group, q_len, d] over k, v [b, kv_heads, 1, keys, d] (each KV head serves
+    its group of query heads), keys where `mask` (broadcast to [b, 1, 1, q_len, keys]) is True.
+    Soft-capped as Gemma 2's reference does it: scores scaled, capped, masked, softmax in fp32."""
+    if softcap is None:  # SDPA over [b * kv_heads, group, ...], GQA as zero-stride views
+        b, kv_heads, group = q.shape[:3]
+        shape = (b, kv_heads, group, k.shape[-2], k.shape[-1])
+        mask = mask.expand(b, kv_heads, 1, q.shape[3], k.shape[-2]).flatten(0, 1)
+        o = F.scaled_dot_product_attention(q.flatten(0, 1), k.expand(shape).flatten(0, 1), v.expand(shape).flatten(0, 1),
+                                           attn_mask=mask, scale=scale)
+        return o.unflatten(0, (b, kv_heads))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def _windowed_tables(layout: BatchLayout, window: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every decode: the blocks its window reaches, from the one holding its oldest visible
+    key, padded with block 0 to the widest ([num_decodes, width] int64), and which of their keys
+    it sees ([num_decodes, 1, 1, 1, width * block_size]); `window` None: whole contexts."""
+    bs = layout.block_size
+    firsts = [0 if window is None else max(0, n - window) // bs for n in layout.decode_seq_lens]
+    rows = [t[f:] for t, f in zip(layout.decode_tables, firsts)]
+    width = max(len(r) for r in rows)
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    lens = torch.tensor(layout.decode_seq_lens)[:, None]
+    positions = torch.tensor(firsts)[:, None] * bs + torch.arange(width * bs)[None, :]
+    mask = positions < lens
+    if window is not None:
+        mask &= positions >= lens - window
+    return tables.to(device), mask[:, None, None, None, :].to(device)
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
