@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -19,6 +20,82 @@ class SamplingParamsError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputParams:
+    """Constrain the output to a grammar (structured output); exactly one field is set.
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
+    regular expression the whole output matches; choice: one of these strings, exactly;
+    grammar: an EBNF (GBNF: `root ::= ...`) or Lark grammar. Validated on construction for
+    shape only (types, JSON text that parses, a non-empty choice list); whether the backend can
+    compile it is checked when the engine admits the request (`tokenmill.structured`), which
+    raises SamplingParamsError with field `structured_output.<kind>` too.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_output",
+                f"structured_output must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got "
+                f"{', '.join(given) if given else 'none'}",
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise SamplingParamsError("structured_output.json", f"structured_output.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise SamplingParamsError(
+                    "structured_output.json", f"structured_output.json must be a JSON schema object, got {self.json!r:.100}"
+                )
+        _check_bool("structured_output.json_object", self.json_object)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(
+                    f"structured_output.{name}", f"structured_output.{name} must be a non-empty string, got {value!r:.100}"
+                )
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise SamplingParamsError(
+                    "structured_output.choice",
+                    f"structured_output.choice must be a non-empty list of non-empty strings, got {self.choice!r:.100}",
+                )
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for equal constraints, the compiled-grammar cache's key. A schema
+        given as a dict or as JSON text is keyed by its canonical JSON text."""
+        kind = self.kind
+        if kind == "json":
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, _json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
 
 
 @dataclass(slots=True)
@@ -48,6 +125,9 @@ class SamplingParams:
     prompt_logprobs: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a grammar; the request then ends where the grammar does (its eos
+    # is allowed only there), so min_tokens and ignore_eos cannot be combined with it.
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -88,6 +168,22 @@ class SamplingParams:
         _check_bool("prompt_logprobs", self.prompt_logprobs)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutputParams):
+                raise SamplingParamsError(
+                    "structured_output",
+                    f"structured_output must be a StructuredOutputParams, got {self.structured_output!r:.100}",
+                )
+            if self.ignore_eos:
+                raise SamplingParamsError(
+                    "ignore_eos", "ignore_eos cannot be combined with structured_output: the output ends where "
+                    "its grammar does",
+                )
+            if self.min_tokens:
+                raise SamplingParamsError(
+                    "min_tokens", f"min_tokens must be 0 with structured_output (the output ends where its grammar "
+                    f"does), got {self.min_tokens}",
+                )
 
     @property
     def greedy(self) -> bool:

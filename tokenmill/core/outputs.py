@@ -19,6 +19,9 @@ class NewRequestData:
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    # Structured output: the request's compiled grammar (opaque here); the runner builds a
+    # matcher from it and replays the output so far through it.
+    grammar: object | None = None
 
 
 @dataclass(slots=True)

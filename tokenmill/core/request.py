@@ -46,6 +46,7 @@ class Request:
         eos_token_ids: Sequence[int],
         max_tokens: int,
         arrival_time: float | None = None,
+        grammar: object | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -53,6 +54,9 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.max_tokens = max_tokens  # resolved: never None, fits in max_model_len
+        # Structured output: the compiled grammar (tokenmill.structured; opaque here) that the
+        # runner's matcher for this request follows. None: unconstrained.
+        self.grammar = grammar
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None  # when it first left the waiting queue
         self.status = RequestStatus.WAITING

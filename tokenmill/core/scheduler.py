@@ -200,6 +200,7 @@ class Scheduler:
                     eos_token_ids=sorted(req.eos_token_ids),
                     block_ids=self.kv.get_block_ids(req.request_id),
                     num_computed_tokens=req.num_computed_tokens,
+                    grammar=req.grammar,
                 )
             )
             budget -= num_new

@@ -1,7 +1,8 @@
 """The engine for online serving: `LLMEngine` stepping on its own thread, asyncio in front.
 
 The event-loop thread tokenizes and validates new requests (`LLMEngine.prepare_request` reads
-only the tokenizer and the config) and hands them, and aborts, to the engine thread through a
+only the tokenizer, the config and the grammar cache; a structured-output constraint is compiled
+on a worker thread first) and hands them, and aborts, to the engine thread through a
 command queue. The engine thread applies the commands between iterations, runs one step at a
 time, and posts each step's outputs back to the loop in one callback, where they are routed to
 per-request queues. The loop never waits on a model step, so HTTP handling and tokenization
@@ -150,6 +151,10 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead_error!r}")
         engine = await self.wait_ready()
+        if params.structured_output is not None:
+            # Compile on a worker thread (xgrammar releases the GIL): neither this event loop nor
+            # the engine thread waits for it; prepare_request then finds it in the cache.
+            await asyncio.to_thread(engine.grammar_compiler.compile, params.structured_output)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         prepared = engine.prepare_request(request_id, prompt, params, chat)

@@ -18,6 +18,7 @@ from tokenmill.models.loader import load_checkpoint
 from tokenmill.models.registry import resolve_model
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+from tokenmill.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = list(checkpoint.config.eos_token_ids)
         self.vocab_size = checkpoint.config.vocab_size
+        # Structured output: constraints compiled at admission, cached by (kind, text).
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.core = EngineCore(config, checkpoint)
         self.max_model_len = self.core.max_model_len
         # The most tokens one request can hold in the KV cache (one sample of it, at least).
@@ -123,6 +126,9 @@ class LLMEngine:
             bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
             if bad:
                 raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
+        # A constraint the backend cannot compile is the caller's error, raised here before
+        # anything is queued; compiled grammars are cached, so a repeated schema costs a lookup.
+        grammar = self.grammar_compiler.compile(params.structured_output) if params.structured_output else None
         if chat:  # the chat template already placed every special token
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -157,7 +163,8 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + index
             )
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            child = Request(child_id, token_ids, child_params, self.eos_token_ids, max_tokens, state.metrics.arrival_time)
+            child = Request(child_id, token_ids, child_params, self.eos_token_ids, max_tokens, state.metrics.arrival_time,
+                            grammar=grammar)
             if index:  # the other samples share the first one's prompt blocks
                 child.fork_parent = state.samples[0].request
             completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)

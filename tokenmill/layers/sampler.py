@@ -6,8 +6,10 @@ Order of operations per row (each stage runs only when some row in the batch nee
      ignore_eos) are set to -inf;
   3. repetition penalty over prompt + output tokens, then frequency / presence penalties over
      output tokens;
-  4. greedy rows take the argmax;
-  5. the other rows divide by temperature, apply top-k, top-p, min-p, and sample.
+  4. rows constrained by a grammar (structured output, `AllowedTokens`) set every token their
+     bitmask does not allow to -inf;
+  5. greedy rows take the argmax;
+  6. the other rows divide by temperature, apply top-k, top-p, min-p, and sample.
 Logprobs are always those of the raw logits passed in (before any of the above), like OpenAI.
 
 Sampling draws exponential noise E and takes argmax(probs / E), which samples exactly from
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.bitmask import apply_bitmask_
 
 _MASK64 = (1 << 64) - 1
 # Top-p first looks for its cut-off among this many most likely tokens (see _apply_top_k_top_p).
@@ -39,6 +42,16 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated before this step
     eos_token_ids: Sequence[int]  # the model's eos ids, masked while output < min_tokens
+
+
+@dataclass(slots=True)
+class AllowedTokens:
+    """The grammar constraints of some rows of a batch: each row r of `row_ids` may only produce
+    the tokens `bitmask[r]` allows (tokenmill/structured/bitmask.py's layout, on the CPU). The
+    other rows are unconstrained and cost nothing; their bitmask rows are not read."""
+
+    row_ids: list[int]  # ascending
+    bitmask: torch.Tensor  # [num_rows, ceil(vocab_size / 32)] int32
 
 
 @dataclass
@@ -63,15 +76,16 @@ class Sampler:
         self._shared_generators: dict[torch.device, torch.Generator] = {}  # unseeded rows
         self._row_generators: dict[torch.device, torch.Generator] = {}  # re-seeded per row
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 allowed: AllowedTokens | None = None) -> SamplerOutput:
         _check_rows(logits, rows)
         need = _Needs.of(rows)
-        if need.all_greedy and not (need.processing or need.logprobs):
+        if need.all_greedy and not (need.processing or need.logprobs) and allowed is None:
             # bf16/fp16 -> fp32 is exact and monotonic, so no conversion is needed.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         raw = logits.float()  # [num_rows, vocab_size]; the caller's tensor when already fp32
-        x = _process(raw, rows, need)
+        x = _process(raw, rows, need, allowed)
         if need.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:
@@ -82,13 +96,13 @@ class Sampler:
         logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
 
-    def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, rows: list[SamplingRow], allowed: AllowedTokens | None = None) -> torch.Tensor:
         """[num_rows, vocab_size] fp32: the distribution each row's token is drawn from, after
         every stage above, normalized. A greedy row is one-hot at its argmax (the token the
         sampler would pick), so exact tests on it give greedy decoding."""
         _check_rows(logits, rows)
         need = _Needs.of(rows)
-        x = _process(logits.float(), rows, need)
+        x = _process(logits.float(), rows, need, allowed)
         probs = torch.zeros_like(x)
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
         greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -108,7 +122,7 @@ class Sampler:
         return (probs / noise).argmax(dim=-1).tolist()
 
     def verify(self, logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]],
-               draft_probs: torch.Tensor | None = None) -> SpecSamplerOutput:
+               draft_probs: torch.Tensor | None = None, allowed: AllowedTokens | None = None) -> SpecSamplerOutput:
         """Speculative decoding: accept or reject each request's draft tokens, keeping the
         distribution of every emitted token exactly what `__call__` would sample.
 
@@ -117,10 +131,12 @@ class Sampler:
         token), and its SamplingRow's output_token_ids already include drafts 0..i-1.
         `draft_probs` [total drafts, vocab_size] is the draft model's distribution q for each
         draft token; None means one-hot q (drafts proposed without probabilities, e.g. n-gram).
+        `allowed` constrains rows like `__call__`'s: a draft its row does not allow has p = 0 and
+        is rejected, and the token drawn instead is one the row allows.
         Returns per request the accepted drafts plus one token drawn by the target (a correction
         from the residual distribution, or a bonus token after a fully accepted draft)."""
         _check_rows(logits, rows)
-        target = self.probs(logits, rows)
+        target = self.probs(logits, rows, allowed)
         num_drafts = [len(d) for d in draft_token_ids]
         if sum(num_drafts) + len(num_drafts) != len(rows):
             raise ValueError(f"{len(rows)} rows for {len(num_drafts)} requests with {sum(num_drafts)} drafts")
@@ -351,8 +367,8 @@ class _Needs:
         return need
 
 
-def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs) -> torch.Tensor:
-    """Stages 1-3 on fp32 logits; returns `raw` itself when no row needs any of them."""
+def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs, allowed: AllowedTokens | None = None) -> torch.Tensor:
+    """Stages 1-4 on fp32 logits; returns `raw` itself when no row needs any of them."""
     x = raw.clone() if (need.bias or need.min_tokens) else raw  # edited in place below
     if need.bias:
         _add_logit_bias(x, rows)
@@ -362,6 +378,15 @@ def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs) -> torch.
         x = _apply_repetition_penalty(x, rows)
     if need.frequency:
         x = _apply_frequency_presence_penalties(x, rows)
+    if allowed is not None and allowed.row_ids:
+        x = _apply_allowed(x, allowed, copy=x is raw)
+    return x
+
+
+def _apply_allowed(x: torch.Tensor, allowed: AllowedTokens, copy: bool) -> torch.Tensor:
+    """Stage 4: the constrained rows keep only their allowed tokens (in place unless `copy`)."""
+    x = x.clone() if copy else x
+    apply_bitmask_(x, allowed.bitmask, None if len(allowed.row_ids) == x.shape[0] else allowed.row_ids)
     return x
 
 

@@ -9,6 +9,14 @@ requests whose known tokens are now all computed, and those rows are sampled.
 A request verifying draft tokens (speculative decoding) contributes its last token and its k
 drafts as one causal chunk (the prefill path of the attention backend); its k + 1 logit rows go
 through `Sampler.verify`, and the runner then proposes the next step's drafts.
+
+Structured output: a request with a grammar has a `GrammarMatcher` that follows its output
+tokens. Before sampling, the constrained rows' allowed-token bitmasks are filled into one tensor
+that the sampler applies to those rows only; each token the request keeps is then accepted by
+its matcher. Draft tokens are cut to the prefix the grammar accepts when proposed (a draft
+model samples from its masked distribution), and a verified request's k + 1 rows get the masks
+of the states after drafts 0..i (walked and rolled back). A preempted request's matcher is
+rebuilt from its tokens when it resumes.
 """
 
 from __future__ import annotations
@@ -26,13 +34,15 @@ from tokenmill.layers.attention import BatchLayout
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, indexable
 from tokenmill.layers.cpu_isa import native_bf16
 from tokenmill.layers.linear import convert_linears
-from tokenmill.layers.sampler import Sampler, SamplingRow
+from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.models import build_model
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
 from tokenmill.models.registry import resolve_model
 from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantized_tensors
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.structured.bitmask import allocate_bitmask
+from tokenmill.structured.matcher import GrammarMatcher
 from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from tokenmill.worker.memory import GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
 
@@ -56,10 +66,12 @@ class CachedRequestState:
     # adopted from the prefix cache or kept through a swap is counted as present.
     draft_probs: torch.Tensor | None = None
     draft_num_computed: int = 0
+    # Structured output: where the output so far leaves the request in its grammar.
+    grammar: GrammarMatcher | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
-        return cls(
+        state = cls(
             data.req_id,
             list(data.token_ids),
             data.num_prompt_tokens,
@@ -69,6 +81,20 @@ class CachedRequestState:
             data.num_computed_tokens,
             draft_num_computed=data.num_computed_tokens,
         )
+        if data.grammar is not None:  # new, or resumed after preemption: replay the output so far
+            state.grammar = GrammarMatcher(data.grammar, data.eos_token_ids)
+            output = state.token_ids[state.num_prompt_tokens :]
+            if state.grammar.accept(output) != len(output):
+                _drop_grammar(state, output)
+        return state
+
+
+def _drop_grammar(state: CachedRequestState, token_ids: list[int]) -> None:
+    """A token the grammar rejects reached a constrained request: the masks allow only tokens
+    it accepts, so this is a backend bug. The request goes on unconstrained rather than stop
+    the engine."""
+    logger.error("%s: tokens %s are outside its grammar; it continues without the constraint", state.req_id, token_ids)
+    state.grammar = None
 
 
 class ModelRunner:
@@ -80,6 +106,7 @@ class ModelRunner:
         self.kv_quantized = config.kv_cache_dtype in KV_CODE_DTYPES
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.vocab_size = checkpoint.config.vocab_size  # the logits' width, and the bitmasks'
         self.attention_backend = config.resolved_attention_backend(self.device.type)
         if (self.device.type == "cuda" and self.attention_backend == "triton" and config.kv_cache_dtype == "fp8"
                 and torch.cuda.get_device_capability(self.device) < (8, 9)):
@@ -432,11 +459,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_indices])  # [num_sampled, vocab]
         num_plain = len(sample_req_ids)
         if num_plain:
-            rows = [self._sampling_row(self.requests[req_id]) for req_id in sample_req_ids]
-            sampled = self.sampler(logits[:num_plain] if spec_jobs else logits, rows)
+            states = [self.requests[req_id] for req_id in sample_req_ids]
+            rows = [self._sampling_row(state) for state in states]
+            allowed = self._allowed_tokens(states)
+            sampled = self.sampler(logits[:num_plain] if spec_jobs else logits, rows, allowed)
             for i, req_id in enumerate(sample_req_ids):
                 token_id = sampled.token_ids[i]
-                self.requests[req_id].token_ids.append(token_id)
+                self._append_tokens(states[i], [token_id])
                 out.sampled_token_ids[req_id] = [token_id]
                 if rows[i].params.logprobs is not None:
                     out.logprobs[req_id] = [sampled.logprobs[i]]
@@ -446,7 +475,10 @@ class ModelRunner:
         if sched.propose_drafts and self.proposer is not None:
             for req_id in out.sampled_token_ids:
                 k = sched.num_drafts_to_propose.get(req_id, 0)
-                drafts = self.proposer.propose(self.requests[req_id].token_ids, k)
+                state = self.requests[req_id]
+                drafts = self.proposer.propose(state.token_ids, k)
+                if drafts and state.grammar is not None:  # verify only what the grammar allows
+                    drafts = drafts[: state.grammar.num_valid_drafts(drafts)]
                 if drafts:
                     out.spec_token_ids[req_id] = drafts
         elif sched.propose_drafts and self.draft_model is not None:
@@ -501,9 +533,12 @@ class ModelRunner:
         jobs.sort(key=lambda job: job[1])  # decode groups want the shortest context first
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        num_drafts = [n for _, _, n in jobs]  # cut where a grammar ends (its stop token drafted)
         dev = self.device
-        for i in range(max(n for _, _, n in jobs)):
-            active = [j for j, (_, _, n) in enumerate(jobs) if n > i]
+        for i in range(max(num_drafts)):
+            active = [j for j, n in enumerate(num_drafts) if n > i]
+            if not active:
+                break
             tokens, positions, slots, tables, seq_lens, rows = [], [], [], [], [], []
             for j in active:
                 state, pos, _ = jobs[j]
@@ -517,11 +552,18 @@ class ModelRunner:
             meta = self.draft_model.attn_backend.build_metadata(BatchLayout(bs, slots, tables, seq_lens, [], [], []), dev)
             hidden = self.draft_model(torch.tensor(tokens, dtype=torch.long, device=dev),
                                       torch.tensor(positions, dtype=torch.long, device=dev), self.draft_kv_caches, meta)
-            q = self.sampler.probs(self.draft_model.compute_logits(hidden), rows)
+            # A constrained request's drafts follow its grammar: q is masked like the target's p.
+            allowed = self._allowed_tokens([jobs[j][0] for j in active])
+            q = self.sampler.probs(self.draft_model.compute_logits(hidden), rows, allowed)
             for j, token, row_q in zip(active, self.sampler.sample_from(q, rows), q):
                 drafts[j].append(token)
                 probs[j].append(row_q)
+                grammar = jobs[j][0].grammar
+                if grammar is not None and (not grammar.accept([token]) or grammar.is_terminated):
+                    num_drafts[j] = i + 1
         for (state, _, _), d, q in zip(jobs, drafts, probs):
+            if state.grammar is not None:  # back to the state after the request's real tokens
+                state.grammar.rollback(state.grammar.num_accepted - (len(state.token_ids) - state.num_prompt_tokens))
             state.draft_probs = torch.stack(q)
             out.spec_token_ids[state.req_id] = d
 
@@ -534,11 +576,12 @@ class ModelRunner:
         draft_probs = None
         if self.draft_model is not None:
             draft_probs = torch.cat([self.requests[req_id].draft_probs[: len(drafts)] for req_id, _, drafts in jobs])
-        verified = self.sampler.verify(logits, rows, [drafts for _, _, drafts in jobs], draft_probs)
+        allowed = self._allowed_draft_tokens([(self.requests[req_id], drafts) for req_id, _, drafts in jobs])
+        verified = self.sampler.verify(logits, rows, [drafts for _, _, drafts in jobs], draft_probs, allowed)
         for j, (req_id, _, drafts) in enumerate(jobs):
             state = self.requests[req_id]
             tokens = verified.token_ids[j]
-            state.token_ids.extend(tokens)
+            self._append_tokens(state, tokens)
             state.num_computed_tokens -= len(drafts) + 1 - len(tokens)  # rejected drafts' KV is not kept
             state.draft_num_computed = min(state.draft_num_computed, state.num_computed_tokens)
             out.sampled_token_ids[req_id] = tokens
@@ -562,6 +605,51 @@ class ModelRunner:
                 values, ids = logprobs.topk(num_top, dim=-1)  # [rows, num_top], descending
                 tops.extend(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
         return result, tops
+
+    # -- structured output ---------------------------------------------------------------------
+
+    def _allowed_tokens(self, states: list[CachedRequestState]) -> AllowedTokens | None:
+        """The bitmasks of the constrained ones among `states` (one row each, in order), or None."""
+        row_ids = [i for i, state in enumerate(states) if state.grammar is not None]
+        if not row_ids:
+            return None
+        bitmask = allocate_bitmask(len(states), self.vocab_size)
+        for i in row_ids:
+            states[i].grammar.fill(bitmask, i)
+        return AllowedTokens(row_ids, bitmask)
+
+    def _allowed_draft_tokens(self, jobs: list[tuple[CachedRequestState, list[int]]]) -> AllowedTokens | None:
+        """For requests verifying drafts (rows: each one's 1 + k, in order): row i of a
+        constrained request allows what its grammar allows after drafts 0..i-1. The matcher walks
+        the drafts and comes back; a draft it rejects (none should reach here) leaves the rows
+        after it all-allowed: that draft has p = 0, so verification never goes past it."""
+        row_ids: list[int] = []
+        walks: list[tuple[GrammarMatcher, int, list[int]]] = []  # matcher, its first row, its drafts
+        first = 0
+        for state, drafts in jobs:
+            if state.grammar is not None:
+                walks.append((state.grammar, first, drafts))
+                row_ids.extend(range(first, first + len(drafts) + 1))
+            first += len(drafts) + 1
+        if not row_ids:
+            return None
+        bitmask = allocate_bitmask(first, self.vocab_size)
+        for grammar, row, drafts in walks:
+            walked = 0
+            for i in range(len(drafts) + 1):
+                grammar.fill(bitmask, row + i)
+                if i == len(drafts) or not grammar.accept(drafts[i : i + 1]):
+                    break
+                walked += 1
+            grammar.rollback(walked)
+        return AllowedTokens(row_ids, bitmask)
+
+    @staticmethod
+    def _append_tokens(state: CachedRequestState, token_ids: list[int]) -> None:
+        """Append sampled tokens to the request, advancing its grammar over them."""
+        state.token_ids.extend(token_ids)
+        if state.grammar is not None and state.grammar.accept(token_ids) != len(token_ids):
+            _drop_grammar(state, token_ids)
 
     @staticmethod
     def _sampling_row(state: CachedRequestState, drafts: Sequence[int] = ()) -> SamplingRow:
