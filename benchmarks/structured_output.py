@@ -2,8 +2,9 @@
 """Structured output (constrained decoding): what a grammar's token mask costs on the CPU, per
 backend, and what it costs the engine's inter-token latency.
 
-Part 1, mask cost (`--backends xgrammar,llguidance`): with the model's tokenizer (the default
-model: vocab 49152), for each JSON schema of SCHEMAS (and any JSON object):
+Part 1, mask cost (`--backends xgrammar,llguidance`; the engine's is llguidance, xgrammar is
+measured when installed): with the model's tokenizer (the default model: vocab 49152), for each
+JSON schema of SCHEMAS (and any JSON object):
   setup     building the backend's tokenizer index, once per engine;
   compile   compiling the schema (each backend's own cache cleared first);
   mask      filling one row of the allowed-token bitmask, per token, and
@@ -13,13 +14,15 @@ model: vocab 49152), for each JSON schema of SCHEMAS (and any JSON object):
                    (odd states: long strings, rare keys, numbers), up to `--walk-len` tokens;
   batch     one bitmask of `--batch` rows (one matcher per row, each at its own place in the
             document) filled by the backend's batch call, per step;
-  apply     setting the disallowed logits of a [batch, vocab] fp32 tensor to -inf from the bitmask.
+  apply     setting the disallowed logits of [rows, vocab] fp32 logits to -inf from the bitmask
+            (1, 8 and `--batch` rows), the engine's torch ops and xgrammar's C++ kernel.
 
 Part 2, inter-token latency (`--streams 1,64`; `--skip-itl` leaves it out): `LLM.generate`
-(offline, the engine's default config), a JSON schema with enough room that every request
-writes `--output-len` tokens or close to it, greedy; the same prompts with and without the
-schema, each round after a warm-up; ITL = (finish - first token) / (output tokens - 1) per
-request, mean and p50 over requests, and output tok/s.
+(offline, the engine's default config), greedy, `--output-len` tokens per request: the same
+prompts without a constraint (eos ignored) and with ITL_SCHEMA (which needs more tokens than
+that, so both rounds write the same count), each round after a warm-up. ITL = (last token -
+first token) / (output tokens - 1) per request, mean and p50 over requests; output tok/s; and
+the time the runner spends filling the step's bitmask (timed around `_allowed_tokens`).
 
     python benchmarks/structured_output.py
     python benchmarks/structured_output.py --skip-itl --walks 2      # mask cost only, quick
@@ -124,10 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# -- the two backends behind one small interface (this script's own: the engine uses one) -------
+# -- the two backends behind one small interface -------------------------------------------------
 
 
 class _Xgrammar:
+    """xgrammar with the settings tokenmill would use: compact JSON, strict objects."""
+
     name = "xgrammar"
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
@@ -138,7 +143,9 @@ class _Xgrammar:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids)
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self.setup_s = time.perf_counter() - t0
-        self.batcher = xgr.BatchGrammarMatcher()
+        import torch
+
+        self.batcher = xgr.BatchGrammarMatcher(max_threads=torch.get_num_threads())  # as many as tokenmill's
 
     def compile(self, schema: dict | None):
         if schema is None:
@@ -157,52 +164,50 @@ class _Xgrammar:
     def batch_fill(self, matchers, bitmask) -> None:
         self.batcher.batch_fill_next_token_bitmask(matchers, bitmask)
 
-    def done(self, matcher) -> bool:
-        return matcher.is_completed()
-
 
 class _Llguidance:
+    """What the engine runs: tokenmill.structured's compiler, matcher and batch filler."""
+
     name = "llguidance"
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
+        import torch
 
-        self.llg, self.llg_torch = llguidance, llguidance.torch
+        from tokenmill.sampling_params import StructuredOutputParams
+        from tokenmill.structured.grammar import GrammarCompiler
+        from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
+
+        self.params, self.matcher_cls = StructuredOutputParams, GrammarMatcher
         t0 = time.perf_counter()
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids[0])
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, cache_size=0)  # every compile timed
+        self.compiler._llg_tokenizer()
         self.setup_s = time.perf_counter() - t0
-        self.executor = llguidance.LLExecutor()
-        # The separators xgrammar writes with any_whitespace=False, so both accept the same documents.
-        self.options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        self.filler = MaskFiller(torch.get_num_threads())
 
     def compile(self, schema: dict | None):
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema if schema is not None else {"type": "object"}), defaults=self.options)
-        matcher = self.llg.LLMatcher(self.tokenizer, grammar)  # compiles (llguidance has no separate step)
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
-        return grammar
+        return self.compiler.compile(self.params(json=schema) if schema is not None else self.params(json_object=True))
 
     def matcher(self, compiled):
-        return self.llg.LLMatcher(self.tokenizer, compiled)
+        return self.matcher_cls(compiled)
 
     def fill(self, matcher, bitmask, row: int) -> None:
-        self.llg_torch.fill_next_token_bitmask(matcher, bitmask, row)
+        matcher.fill(bitmask, row)
 
     def accept(self, matcher, token_id: int) -> bool:
-        return matcher.consume_token(token_id)
+        return matcher.accept([token_id]) == 1
 
     def batch_fill(self, matchers, bitmask) -> None:
-        self.llg_torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
-
-    def done(self, matcher) -> bool:
-        return matcher.is_stopped()
+        self.filler.fill([(m, i) for i, m in enumerate(matchers)], bitmask)
 
 
 def make_backend(name: str, tokenizer, vocab_size: int, eos_ids: list[int]):
     return {"xgrammar": _Xgrammar, "llguidance": _Llguidance}[name](tokenizer, vocab_size, eos_ids)
+
+
+def installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 # -- part 1 --------------------------------------------------------------------------------------
@@ -256,7 +261,10 @@ def measure_masks(args, tokenizer, vocab_size: int, eos_ids: list[int]) -> list[
 
     keep_large_allocations_in_heap()  # as the engine does: no page faults on fresh buffers
     results = []
-    backends = [make_backend(name, tokenizer, vocab_size, eos_ids) for name in args.backends]
+    missing = [name for name in args.backends if not installed(name)]
+    if missing:  # xgrammar is not a tokenmill dependency: `pip install xgrammar` to compare
+        print(f"  not installed, left out: {', '.join(missing)}", flush=True)
+    backends = [make_backend(name, tokenizer, vocab_size, eos_ids) for name in args.backends if name not in missing]
     bitmask = torch.full((args.batch, -(-vocab_size // 32)), -1, dtype=torch.int32)
     for backend in backends:
         # Warm-up (thread pools, lazily built tables): a schema of its own, one document through it.
@@ -310,24 +318,30 @@ def measure_masks(args, tokenizer, vocab_size: int, eos_ids: list[int]) -> list[
 
 
 def measure_apply(batch: int, vocab_size: int, repeats: int = 20) -> list[dict]:
-    """Cost of applying a [batch, words] bitmask to [batch, vocab] fp32 logits, per method."""
+    """Cost of applying a [rows, words] bitmask to [rows, vocab] fp32 logits: the engine's torch
+    ops, and xgrammar's C++ CPU kernel when xgrammar is installed (for comparison)."""
     import torch
 
-    from tokenmill.structured.bitmask import apply_bitmask_, apply_bitmask_torch_
+    from tokenmill.structured.bitmask import apply_bitmask_
 
+    methods = {"tokenmill (byte table, torch ops)": apply_bitmask_}
+    try:
+        from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
+
+        methods["xgrammar CPU kernel"] = apply_token_bitmask_inplace_cpu
+    except ImportError:
+        pass
     gen = torch.Generator().manual_seed(0)
     out = []
     for rows in sorted({1, 8, batch}):
         bitmask = torch.randint(-2**31, 2**31 - 1, (rows, -(-vocab_size // 32)), dtype=torch.int32, generator=gen)
         logits = torch.randn(rows, vocab_size, generator=gen)
-        methods = {"xgrammar CPU kernel (the engine's)": lambda x: apply_bitmask_(x, bitmask),
-                   "torch ops (other devices)": lambda x: apply_bitmask_torch_(x, bitmask)}
         runs = {name: [] for name in methods}
         for _ in range(repeats):  # interleaved, so that a busy moment hits both
             for name, fn in methods.items():
                 x = logits.clone()
                 t0 = time.perf_counter()
-                fn(x)
+                fn(x, bitmask)
                 runs[name].append(time.perf_counter() - t0)
         out.extend({"method": name, "rows": rows, "ms": statistics.median(r) * 1e3} for name, r in runs.items())
     return out
@@ -335,15 +349,20 @@ def measure_apply(batch: int, vocab_size: int, repeats: int = 20) -> list[dict]:
 
 # -- part 2 --------------------------------------------------------------------------------------
 
-# Room for about as many tokens as the plain run writes: the structured run must not end early.
+# Keeps every request writing past --output-len (at least 16 records of ~15 tokens), so that
+# both rounds run the same number of tokens; mostly structure, where masks cost the most.
 ITL_SCHEMA = {
     "type": "object",
     "properties": {
-        "title": {"type": "string", "maxLength": 60},
-        "summary": {"type": "string", "maxLength": 400},
-        "points": {"type": "array", "items": {"type": "string", "maxLength": 120}, "maxItems": 8},
+        "city": {"type": "string", "maxLength": 24},
+        "records": {"type": "array", "minItems": 16, "maxItems": 64, "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12}, "quantity": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 99},
+                           "in_stock": {"type": "boolean"}},
+            "required": ["name", "quantity", "in_stock"]}},
     },
-    "required": ["title", "summary", "points"],
+    "required": ["city", "records"],
 }
 
 
@@ -352,36 +371,56 @@ def measure_itl(args) -> list[dict]:
     from tokenmill.sampling_params import StructuredOutputParams
 
     llm = LLM(args.model)
+    runner = llm.engine.core.runner
+    mask_times: list[float] = []
+    allowed_tokens = runner._allowed_tokens  # timed: filling the step's bitmask (not applying it)
+
+    def timed_allowed_tokens(states):
+        t0 = time.perf_counter()
+        result = allowed_tokens(states)
+        if result is not None:
+            mask_times.append(time.perf_counter() - t0)
+        return result
+
+    runner._allowed_tokens = timed_allowed_tokens
     results = []
-    prompt = "Describe a city you would like to visit, as JSON with a title, a summary and a list of points."
-    for n in args.streams:
-        prompts = [f"{prompt} City number {i}." for i in range(n)]
-        for mode in ("plain", "json_schema"):
-            structured = StructuredOutputParams(json=ITL_SCHEMA) if mode == "json_schema" else None
-            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, structured_output=structured)
-            llm.generate(prompts[: min(n, 4)], SamplingParams(temperature=0.0, max_tokens=8,
-                                                            structured_output=structured))  # warm-up
-            other = OtherLoad()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            seconds = time.perf_counter() - t0
-            itls = []
-            tokens = 0
-            for o in outs:
-                m, c = o.metrics, o.outputs[0]
-                tokens += len(c.token_ids)
-                if len(c.token_ids) > 1:
-                    itls.append((m.last_token_time - m.first_token_time) / (len(c.token_ids) - 1))
-            results.append({
-                "streams": n, "mode": mode, "requests": n, "output_tokens": tokens, "seconds": seconds,
-                "output_tok_per_s": tokens / seconds, "itl_mean_ms": statistics.fmean(itls) * 1e3,
-                "itl_p50_ms": statistics.median(itls) * 1e3,
-                "finish_reasons": sorted({o.outputs[0].finish_reason for o in outs}),
-                "other_processes_cores": other.cores(),
-            })
-            r = results[-1]
-            print(f"  {n:3d} streams {mode:12s} ITL mean {r['itl_mean_ms']:.2f} ms p50 {r['itl_p50_ms']:.2f} ms, "
-                  f"{r['output_tok_per_s']:.1f} tok/s, {tokens} tokens", flush=True)
+    prompt = "Write the inventory of a shop in a city as JSON: the city, then records of name, quantity, in_stock."
+    try:
+        for n in args.streams:
+            prompts = [f"{prompt} Shop number {i}." for i in range(n)]
+            for mode in ("plain", "json_schema"):
+                structured = StructuredOutputParams(json=ITL_SCHEMA) if mode == "json_schema" else None
+                # Plain requests ignore eos so that both rounds write exactly --output-len tokens.
+                params = SamplingParams(temperature=0.0, max_tokens=args.output_len, structured_output=structured,
+                                        ignore_eos=structured is None)
+                llm.generate(prompts[: min(n, 4)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=structured is None,
+                                                                structured_output=structured))  # warm-up
+                mask_times.clear()
+                other = OtherLoad()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                seconds = time.perf_counter() - t0
+                itls = []
+                tokens = 0
+                for o in outs:
+                    m, c = o.metrics, o.outputs[0]
+                    tokens += len(c.token_ids)
+                    if len(c.token_ids) > 1:
+                        itls.append((m.last_token_time - m.first_token_time) / (len(c.token_ids) - 1))
+                results.append({
+                    "streams": n, "mode": mode, "requests": n, "output_tokens": tokens, "seconds": seconds,
+                    "output_tok_per_s": tokens / seconds, "itl_mean_ms": statistics.fmean(itls) * 1e3,
+                    "itl_p50_ms": statistics.median(itls) * 1e3,
+                    "mask_fill_ms_per_step": statistics.fmean(mask_times) * 1e3 if mask_times else None,
+                    "finish_reasons": sorted({o.outputs[0].finish_reason for o in outs}),
+                    "other_processes_cores": other.cores(),
+                })
+                r = results[-1]
+                print(f"  {n:3d} streams {mode:12s} ITL mean {r['itl_mean_ms']:.2f} ms p50 {r['itl_p50_ms']:.2f} ms, "
+                      f"{r['output_tok_per_s']:.1f} tok/s, {tokens} tokens, mask fill "
+                      f"{fmt(r['mask_fill_ms_per_step'], '.2f')} ms/step", flush=True)
+    finally:
+        del runner._allowed_tokens
     return results
 
 
@@ -415,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
          for r in masks],
         left=2,
     )
-    for name in args.backends:
+    for name in sorted({r["backend"] for r in masks}, key=args.backends.index):
         rows = [r for r in masks if r["backend"] == name]
         print(f"{name}: mean over schemas, mask + advance per token: documents "
               f"{statistics.fmean(r['doc_mask_us'] + r['doc_advance_us'] for r in rows):.1f} us, random walks "
@@ -426,9 +465,11 @@ def main(argv: list[str] | None = None) -> None:
     print_table(["apply bitmask", "rows", "ms"], [[a["method"], str(a["rows"]), fmt(a["ms"], ".3f")] for a in apply])
     if itl:
         print()
-        print_table(["streams", "mode", "ITL mean ms", "ITL p50 ms", "output tok/s", "tokens", "finish"],
+        print_table(["streams", "mode", "ITL mean ms", "ITL p50 ms", "output tok/s", "tokens", "mask fill ms/step",
+                     "finish"],
                     [[str(r["streams"]), r["mode"], fmt(r["itl_mean_ms"], ".2f"), fmt(r["itl_p50_ms"], ".2f"),
-                      fmt(r["output_tok_per_s"]), str(r["output_tokens"]), ",".join(r["finish_reasons"])]
+                      fmt(r["output_tok_per_s"]), str(r["output_tokens"]), fmt(r["mask_fill_ms_per_step"], ".2f"),
+                      ",".join(r["finish_reasons"])]
                      for r in itl], left=2)
         for n in args.streams:
             plain = next(r for r in itl if r["streams"] == n and r["mode"] == "plain")

@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.bitmask import allocate_bitmask, apply_bitmask_, apply_bitmask_torch_, num_words
+from tokenmill.structured.bitmask import allocate_bitmask, apply_bitmask_, num_words
 
 
 def bitmask_of(allowed: list[list[int]], vocab_size: int) -> torch.Tensor:
@@ -20,18 +20,14 @@ def bitmask_of(allowed: list[list[int]], vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-ALL = object()
-
-
-@pytest.mark.parametrize("apply", [apply_bitmask_, apply_bitmask_torch_], ids=["kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("row_ids", [None, [0, 2], [1]], ids=["all", "some", "one"])
-def test_apply_keeps_exactly_the_allowed_tokens_of_the_listed_rows(apply, dtype, row_ids):
+def test_apply_keeps_exactly_the_allowed_tokens_of_the_listed_rows(dtype, row_ids):
     vocab_size = 100  # not a multiple of 32: the last word is partly padding
     allowed = [[0, 31, 32, 63, 99], [5], list(range(7, 100))]
     logits = torch.randn(3, vocab_size).to(dtype)
     x = logits.clone()
-    apply(x, bitmask_of(allowed, vocab_size), row_ids)
+    apply_bitmask_(x, bitmask_of(allowed, vocab_size), row_ids)
     for row, ids in enumerate(allowed):
         keep = torch.zeros(vocab_size, dtype=torch.bool)
         keep[ids] = True

@@ -1,11 +1,12 @@
 """Structured output through the engine on the real default model: every output parses and
 validates against its schema (sampling at temperature 1, many seeds), regex / choice / grammar
 outputs match, n > 1, streaming, speculative decoding (n-gram and draft model) and preemption
-keep it valid and greedy-identical, a bad constraint is refused without disturbing anyone, and
-unconstrained requests in the same batch are unaffected."""
+keep it valid and greedy-identical, a bad constraint is refused without disturbing anyone (in
+the serving engine too), and unconstrained requests in the same batch are unaffected."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -13,6 +14,8 @@ import jsonschema
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.sampling_params import SamplingParamsError, StructuredOutputParams
 
 pytestmark = pytest.mark.slow
@@ -42,7 +45,7 @@ SCHEMAS = [
                                       "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
      "required": ["price", "currency", "sku"]},
 ]
-SEEDS = range(4)
+SEEDS = range(3)
 PROMPT = "Reply with JSON only.\n"
 PERSON = SCHEMAS[0]
 
@@ -66,8 +69,9 @@ def llm(default_model_path):
 @pytest.fixture(scope="module")
 def reference(llm):
     """Greedy constrained outputs without speculation or preemption."""
-    prompts = [PROMPT + f"Person number {i}:" for i in range(4)]
-    outs = llm.generate(prompts, constrained(json=PERSON))
+    # An example in the prompt gives n-gram speculation drafts to propose.
+    prompts = [PROMPT + f'Example: {{"name": "Ann", "age": 30, "student": false}}\nPerson number {i}:' for i in range(4)]
+    outs = llm.generate(prompts, constrained(json=PERSON, max_tokens=64))
     return prompts, [o.outputs[0].token_ids for o in outs]
 
 
@@ -122,7 +126,7 @@ def test_unconstrained_requests_in_the_batch_are_unaffected(llm):
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
     plain = SamplingParams(temperature=0.0, max_tokens=24)
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
-    mixed = llm.generate(prompts + [PROMPT] * 3, [plain] * 3 + [constrained(json=PERSON)] * 3)
+    mixed = llm.generate(prompts + [PROMPT] * 3, [plain] * 3 + [constrained(json=PERSON, max_tokens=64)] * 3)
     assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
     for o in mixed[3:]:
         assert_valid(o.outputs[0], PERSON)
@@ -137,7 +141,7 @@ def test_a_bad_constraint_is_refused_and_the_engine_goes_on(llm, reference):
     assert info.value.field == "structured_output.regex"
     assert not llm.engine.has_unfinished_requests()
     prompts, ref = reference
-    assert llm.generate(prompts[0], constrained(json=PERSON))[0].outputs[0].token_ids == ref[0]
+    assert llm.generate(prompts[0], constrained(json=PERSON, max_tokens=64))[0].outputs[0].token_ids == ref[0]
 
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3,
@@ -147,8 +151,8 @@ SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ng
 def test_ngram_speculation_is_valid_and_greedy_identical(default_model_path, reference):
     spec = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
     prompts, ref = reference
-    # The prompt repeats keys of the schema, so n-gram drafts are proposed, some of them valid.
-    outs = spec.generate(prompts, constrained(json=PERSON))
+    # The prompt's example repeats the schema's keys: n-gram drafts are proposed, some of them valid.
+    outs = spec.generate(prompts, constrained(json=PERSON, max_tokens=64))
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert sum(o.outputs[0].num_draft_tokens for o in outs) > 0
     assert sum(o.outputs[0].num_accepted_tokens for o in outs) > 0
@@ -162,7 +166,7 @@ def test_draft_model_speculation_is_valid_and_greedy_identical(default_model_pat
                speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3,
                speculative_max_running=8)
     prompts, ref = reference
-    outs = spec.generate(prompts, constrained(json=PERSON))
+    outs = spec.generate(prompts, constrained(json=PERSON, max_tokens=64))
     assert [o.outputs[0].token_ids for o in outs] == ref
     # Self-drafting: every draft the masked draft distribution proposes is accepted.
     assert all(o.outputs[0].num_accepted_tokens == o.outputs[0].num_draft_tokens > 0 for o in outs)
@@ -176,10 +180,37 @@ def test_preemption_keeps_outputs_valid_and_greedy_identical(default_model_path,
     small = LLM(str(default_model_path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=64,
                 num_host_kv_blocks=16 if swap else 0)
     prompts, ref = reference
-    outs = small.generate(prompts, constrained(json=PERSON))
+    outs = small.generate(prompts, constrained(json=PERSON, max_tokens=64))
     scheduler = small.engine.core.scheduler
     assert scheduler.num_preemptions > 0
     assert (scheduler.num_swap_preemptions > 0) == swap
     assert [o.outputs[0].token_ids for o in outs] == ref
     for o in outs:
         assert_valid(o.outputs[0], PERSON)
+
+
+def test_serving_engine_compiles_off_the_loop_and_refuses_a_bad_constraint(default_model_path, reference):
+    prompts, ref = reference
+    config = EngineConfig(model=str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25,
+                          max_num_batched_tokens=256)
+
+    async def serve():
+        llm = AsyncLLM(config, log_stats_interval=0)
+        llm.start()
+        await llm.wait_ready()
+        try:
+            with pytest.raises(SamplingParamsError) as info:
+                await llm.add_request("bad", PROMPT, constrained(json={"type": "strin"}))
+            assert info.value.field == "structured_output.json"
+
+            async def one(i):
+                final = None
+                async for out in await llm.add_request(f"r{i}", prompts[i], constrained(json=PERSON, max_tokens=64)):
+                    final = out
+                return final.outputs[0].token_ids
+
+            return await asyncio.gather(*(one(i) for i in range(2)))
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(serve()) == ref[:2]

@@ -85,7 +85,9 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         raw = logits.float()  # [num_rows, vocab_size]; the caller's tensor when already fp32
-        x = _process(raw, rows, need, allowed)
+        # A converted copy nobody reads afterwards (no logprobs) may be masked in place.
+        scratch = raw.data_ptr() != logits.data_ptr() and not need.logprobs
+        x = _process(raw, rows, need, allowed, scratch)
         if need.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:
@@ -102,7 +104,8 @@ class Sampler:
         sampler would pick), so exact tests on it give greedy decoding."""
         _check_rows(logits, rows)
         need = _Needs.of(rows)
-        x = _process(logits.float(), rows, need, allowed)
+        raw = logits.float()
+        x = _process(raw, rows, need, allowed, scratch=raw.data_ptr() != logits.data_ptr())
         probs = torch.zeros_like(x)
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
         greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -367,8 +370,10 @@ class _Needs:
         return need
 
 
-def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs, allowed: AllowedTokens | None = None) -> torch.Tensor:
-    """Stages 1-4 on fp32 logits; returns `raw` itself when no row needs any of them."""
+def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs, allowed: AllowedTokens | None = None,
+             scratch: bool = False) -> torch.Tensor:
+    """Stages 1-4 on fp32 logits; returns `raw` itself when no row needs any of them. Stage 4
+    edits `raw` in place when it is `scratch` (the caller's own copy), else a copy of it."""
     x = raw.clone() if (need.bias or need.min_tokens) else raw  # edited in place below
     if need.bias:
         _add_logit_bias(x, rows)
@@ -379,7 +384,7 @@ def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs, allowed: 
     if need.frequency:
         x = _apply_frequency_presence_penalties(x, rows)
     if allowed is not None and allowed.row_ids:
-        x = _apply_allowed(x, allowed, copy=x is raw)
+        x = _apply_allowed(x, allowed, copy=x is raw and not scratch)
     return x
 
 
