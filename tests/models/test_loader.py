@@ -376,4 +376,4 @@ def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError) as info:
         load_checkpoint(path)
     message = str(info.value)
-    assert str(path) in message and "'gpt2'" in message and "llama, qwen2" in message
+    assert str(path) in message and "'gpt2'" in message and "gemma3, llama, phi3, qwen2" in message

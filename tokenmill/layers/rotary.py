@@ -11,14 +11,14 @@ from torch import nn
 def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """(the inverse frequencies [head_dim / 2], the factor cos and sin are scaled by), as
     transformers' `ROPE_INIT_FUNCTIONS` compute them for each rope_type."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / scaling["factor"], 1.0
     if rope_type == "freq_factors":  # a GGUF file's rope_freqs: llama.cpp divides each frequency by its factor
-        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope_scaling has {factors.numel()} frequency factors for head_dim {head_dim}")
         return inv_freq / factors, 1.0
@@ -65,21 +65,22 @@ def _yarn(head_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, floa
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
-    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, device="cpu").to(dtype=torch.float) / head_dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     keep = 1 - ramp  # the share of the original (extrapolated) frequency
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position; `lookup` picks a step's rows once, every layer then
-    rotates its queries and keys with them (`apply`)."""
+    rotates its queries and keys with them (`apply`). Computed on the CPU whatever the default
+    device (also when a model is built on the meta device), moved with the model."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None, dtype: torch.dtype):
         super().__init__()
         inv_freq, attention_factor = _inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = t[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         # Computed in fp32, cast to the model dtype, as the reference implementation does. The

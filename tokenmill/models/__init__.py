@@ -15,7 +15,7 @@ MODEL_CLASSES = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
 
 
 def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype,
-                attention_backend: str = "torch", cpu_kernels=None) -> LlamaForCausalLM:
+                attention_backend: str = "torch", cpu_kernels=None, device: str = "cpu") -> LlamaForCausalLM:
     """The checkpoint's model class on the CPU with plain nn.Linear layers, weights not loaded
     (`load_weights`, or `quantization.quantize.load_quantized_weights` for a quantized checkpoint),
     attending with the backend named `attention_backend` (`layers.attention.make_backend`);
@@ -28,5 +28,5 @@ def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dt
     if attention_backend == "triton" and (arch.sliding_window is not None or arch.attn_logit_softcap is not None):
         raise ValueError(f"{checkpoint.source}: the triton attention backend has no sliding windows or soft-capped "
                          "scores, which this model uses; use --attention-backend torch")
-    with torch.device("cpu"):
+    with torch.device(device):  # "meta": no memory, no random init (models.streaming fills it)
         return model_cls(arch, make_backend(attention_backend, cpu_kernels), max_position, dtype, cpu_kernels)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -372,6 +373,41 @@ def _hf_names(gguf_name: str, config: ModelArchConfig) -> list[str] | None:
     return [name] if name else None
 
 
+# Rows dequantized at a time: gguf's numpy dequantization makes several float32 temporaries the
+# size of its input, which for a 150k-token embedding would be gigabytes.
+_DEQUANTIZE_CHUNK_BYTES = 16 << 20
+
+
+def _drop_file_pages(reader, tensor) -> None:
+    """Let the kernel drop the file pages of a tensor already read (read-only, file-backed: they
+    would stay resident, a whole model file by the end of loading)."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mapping, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_offset // page * page
+    end = tensor.data_offset + tensor.n_bytes
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # not supported here: the pages stay until evicted
+        pass
+
+
+def _dequantize(gguf, tensor) -> np.ndarray:
+    """A GGUF tensor as float32 in PyTorch's layout (`[out, in]`), dequantized in row chunks."""
+    data = tensor.data.view(np.ndarray)  # numpy's memmap subclass costs ~20% in dequantize's slicing
+    if data.ndim < 2 or data.nbytes <= _DEQUANTIZE_CHUNK_BYTES:
+        return np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+    rows = max(1, _DEQUANTIZE_CHUNK_BYTES // (data.nbytes // data.shape[0]))
+    flat = data.reshape(-1, data.shape[-1])
+    first = np.asarray(gguf.quants.dequantize(flat[:rows], tensor.tensor_type), dtype=np.float32)
+    out = np.empty((flat.shape[0], first.shape[-1]), dtype=np.float32)
+    out[:rows] = first
+    for start in range(rows, flat.shape[0], rows):
+        out[start : start + rows] = gguf.quants.dequantize(flat[start : start + rows], tensor.tensor_type)
+    return out.reshape(*data.shape[:-1], first.shape[-1])
+
+
 def _undo_rope_permutation(rows: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: per head, rows (i, half) go back from interleaved
     order [r0, r_d/2, r1, r_d/2+1, ...] to Hugging Face's two halves [r0, r1, ..., r_d/2, ...]."""
@@ -431,9 +467,7 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
         for tensor in reader.tensors:
             if tensor.name not in hf_names:
                 continue
-            # A plain-ndarray view: numpy's memmap subclass costs ~20% in dequantize's slicing.
-            values = gguf.quants.dequantize(tensor.data.view(np.ndarray), tensor.tensor_type)
-            values = np.asarray(values, dtype=np.float32)
+            values = _dequantize(gguf, tensor)
             kind = tensor.name.split(".")[-2]
             if kind in permuted_heads:
                 values = _undo_rope_permutation(values, permuted_heads[kind])
@@ -442,11 +476,13 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
             if np.may_share_memory(values, tensor.data):  # a view of the read-only file mapping
                 values = values.copy()
             names = hf_names[tensor.name]
+            _drop_file_pages(reader, tensor)
             if len(names) > 1:  # one slice per expert
                 for name, part in zip(names, values):
                     yield name, torch.from_numpy(np.ascontiguousarray(part))
             else:
                 yield names[0], torch.from_numpy(np.ascontiguousarray(values)).view(found[names[0]])
+            del values
 
     tokenizer = _gguf_tokenizer(path, reader)
     return LoadedCheckpoint(source=path, config=config, tokenizer=tokenizer, _read_weights=read_weights)

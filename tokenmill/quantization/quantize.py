@@ -34,6 +34,7 @@ _log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LM_HEAD = "lm_head"
+ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class QuantConfig:
         )
 
     def method_of(self, linear_name: str) -> str | None:
+        """The method of linear `linear_name`; None keeps it dense: a mixture of experts' router
+        and shared-expert gate (a few rows each, whose rounding would change which experts run)."""
+        if linear_name.endswith(ROUTER_SUFFIXES):
+            return None
         return self.lm_head if linear_name == LM_HEAD else self.method
 
 
@@ -146,7 +151,7 @@ def quantized_tensors(checkpoint, qconfig: QuantConfig, device: torch.device, de
     model = build_model(checkpoint, qconfig.calibration_seq_len, torch.float32)
     model.load_weights(checkpoint.weights())
     model.to(device=device).eval()
-    linears = set(linear_names(model))
+    linears = {n for n in linear_names(model) if qconfig.method_of(n) is not None}
     tensors = {n: p.detach().to(device="cpu", dtype=dense_dtype, copy=True).contiguous()
                for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
     biases = {n: model.get_submodule(n).bias.detach().cpu().float().contiguous()

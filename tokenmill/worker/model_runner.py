@@ -33,16 +33,16 @@ from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerO
 from tokenmill.layers.attention import BatchLayout
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, indexable
 from tokenmill.layers.cpu_isa import native_bf16
-from tokenmill.layers.linear import convert_linears
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.models import build_model
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
 from tokenmill.models.registry import resolve_model
+from tokenmill.models.streaming import load_streaming
 from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantized_tensors
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.structured.bitmask import allocate_bitmask
-from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
+from tokenmill.structured.matcher import GrammarMatcher
 from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from tokenmill.worker.memory import GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
 
@@ -82,7 +82,7 @@ class CachedRequestState:
             draft_num_computed=data.num_computed_tokens,
         )
         if data.grammar is not None:  # new, or resumed after preemption: replay the output so far
-            state.grammar = GrammarMatcher(data.grammar)
+            state.grammar = GrammarMatcher(data.grammar, data.eos_token_ids)
             output = state.token_ids[state.num_prompt_tokens :]
             if state.grammar.accept(output) != len(output):
                 _drop_grammar(state, output)
@@ -143,7 +143,6 @@ class ModelRunner:
             if self.cpu_kernels is not None and getattr(m.attn_backend, "kernels", None) is self.cpu_kernels:
                 m.enable_cpu_decoder(self.cpu_kernels)
         self.sampler = Sampler(seed=config.seed)
-        self.mask_filler = MaskFiller(torch.get_num_threads())  # structured output's bitmasks
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer = (
             NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
@@ -162,7 +161,8 @@ class ModelRunner:
             config.num_host_kv_blocks if config.num_host_kv_blocks is not None
             else self._blocks_for_budget(config.swap_space_gb) if config.swap_space_gb > 0 else 0
         )
-        host = [self._make_caches(m.config, self.num_host_blocks, "cpu") for m in self.models] if self.num_host_blocks else [[]]
+        host = ([self._make_caches(m.config, self.num_host_blocks, "cpu", host_pool=True) for m in self.models]
+                if self.num_host_blocks else [[]])
         self.host_kv_caches = [layer for caches in host for layer in caches]
         # Decode-only steps replayed from CUDA graphs (worker/cuda_graphs.py): CUDA, the Triton
         # backend, no draft model (whose forward in execute_model reuses the eager step's inputs).
@@ -172,21 +172,22 @@ class ModelRunner:
 
     def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
         qconfig = QuantConfig.from_engine(config)
-        model = build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels)
+
+        def build(device: str = "cpu"):
+            return build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels, device)
+
+        if checkpoint.quantization is None and (qconfig is None or qconfig.algorithm == "rtn"):
+            return load_streaming(checkpoint, build, self.device, self.dtype, qconfig, self.cpu_kernels)
+        model = build()
         if checkpoint.quantization is not None:  # written by `tokenmill quantize`
             if qconfig is not None:
                 raise ConfigError("quantization", f"{checkpoint.source} is already quantized "
                                   f"({checkpoint.quantization.get('method')}); leave quantization unset")
             tensors, qconfig = dict(checkpoint.weights()), quant_config_from_checkpoint(checkpoint.quantization)
-        elif qconfig is not None:
+        else:
             # Exactly the tensors `tokenmill quantize` writes (quantized from the fp32 weights,
             # calibrated in fp32 with PyTorch's ops), then loaded as a saved checkpoint is.
             tensors = quantized_tensors(checkpoint, qconfig, self.device, torch.float32)
-        else:
-            model.load_weights(checkpoint.weights())
-            model = model.to(device=self.device, dtype=self.dtype).eval()
-            convert_linears(model, self.cpu_kernels)  # whatever is still an nn.Linear
-            return model
         load_quantized_weights(model, tensors, qconfig, self.device, self.dtype, self.cpu_kernels)
         return model.eval()
 
@@ -203,14 +204,17 @@ class ModelRunner:
                               f"tokens, less than max_model_len {max_model_len}")
         return self._load_model(draft, config, max_model_len)
 
-    def _make_caches(self, arch, num_blocks: int, device) -> list[tuple[torch.Tensor, ...]]:
+    def _make_caches(self, arch, num_blocks: int, device, host_pool: bool = False) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (key, value) caches, or (key codes, value codes, key scales, value scales)
-        when quantized: the layouts of `layers.attention.backend`."""
+        when quantized: the layouts of `layers.attention.backend`. The device cache is zeroed
+        (padded attention reads unwritten slots, masked); the host pool, whose blocks are always
+        written before they are read, is left uninitialized and costs no memory until used."""
         shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        pin = device == "cpu" and self.device.type == "cuda"  # host pool: pinned for fast copies
+        pin = host_pool and self.device.type == "cuda"  # host pool: pinned for fast copies
         specs = [(shape, self.kv_code_dtype)] * 2 + ([(shape[:-1], torch.float32)] * 2 if self.kv_quantized else [])
+        make = torch.empty if host_pool else torch.zeros
         return [
-            tuple(torch.zeros(s, dtype=dt, device=device, pin_memory=pin) for s, dt in specs)
+            tuple(make(s, dtype=dt, device=device, pin_memory=pin) for s, dt in specs)
             for _ in range(arch.num_hidden_layers)
         ]
 
@@ -615,7 +619,8 @@ class ModelRunner:
         if not row_ids:
             return None
         bitmask = allocate_bitmask(len(states), self.vocab_size)
-        self.mask_filler.fill([(states[i].grammar, i) for i in row_ids], bitmask)
+        for i in row_ids:
+            states[i].grammar.fill(bitmask, i)
         return AllowedTokens(row_ids, bitmask)
 
     def _allowed_draft_tokens(self, jobs: list[tuple[CachedRequestState, list[int]]]) -> AllowedTokens | None:
