@@ -42,7 +42,7 @@ from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights,
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.structured.bitmask import allocate_bitmask
-from tokenmill.structured.matcher import GrammarMatcher
+from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
 from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from tokenmill.worker.memory import GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
 
@@ -82,7 +82,7 @@ class CachedRequestState:
             draft_num_computed=data.num_computed_tokens,
         )
         if data.grammar is not None:  # new, or resumed after preemption: replay the output so far
-            state.grammar = GrammarMatcher(data.grammar, data.eos_token_ids)
+            state.grammar = GrammarMatcher(data.grammar)
             output = state.token_ids[state.num_prompt_tokens :]
             if state.grammar.accept(output) != len(output):
                 _drop_grammar(state, output)
@@ -143,6 +143,7 @@ class ModelRunner:
             if self.cpu_kernels is not None and getattr(m.attn_backend, "kernels", None) is self.cpu_kernels:
                 m.enable_cpu_decoder(self.cpu_kernels)
         self.sampler = Sampler(seed=config.seed)
+        self.mask_filler = MaskFiller(torch.get_num_threads())  # structured output's bitmasks
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer = (
             NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
@@ -619,8 +620,7 @@ class ModelRunner:
         if not row_ids:
             return None
         bitmask = allocate_bitmask(len(states), self.vocab_size)
-        for i in row_ids:
-            states[i].grammar.fill(bitmask, i)
+        self.mask_filler.fill([(states[i].grammar, i) for i in row_ids], bitmask)
         return AllowedTokens(row_ids, bitmask)
 
     def _allowed_draft_tokens(self, jobs: list[tuple[CachedRequestState, list[int]]]) -> AllowedTokens | None:
