@@ -3,7 +3,8 @@ random-weight checkpoints made here from a transformers config with `save_pretra
 
 Each model has 3 layers, GQA, the default model's tokenizer, and every weight random (norms too,
 so Gemma's (1 + w) is checked). Where a family slides a window, it is 8 tokens, so prompts of 20
-and 45 tokens cross it in prefill chunks (16-token steps) and in decode; Gemma 2's soft-caps are
+and 45 tokens cross it in prefill chunks (16-token steps) and in decode, and where every layer
+slides (Mistral, Phi-3) the blocks left behind are freed on the way; Gemma 2's soft-caps are
 small enough to change every score and logit. fp32: the logits of every sampled position within
 LOGITS_ATOL of transformers' (eager attention) on the same context, and greedy output
 token-identical for 8 new tokens.
@@ -108,3 +109,6 @@ def test_family_logits_and_greedy_match_hf(family, default_checkpoint, tmp_path,
             assert out.outputs[0].token_ids == ref_tokens
     assert len(spy.seen) == 3 * 8
     assert worst < LOGITS_ATOL, f"{family}: max |logit diff| {worst:.2e}"
+    # where every layer slides, the blocks behind the window went back to the pool on the way
+    freed = llm.engine.core.kv_cache_manager.num_window_freed_blocks
+    assert (freed > 0) == llm.engine.core.runner.model.config.all_layers_slide, freed

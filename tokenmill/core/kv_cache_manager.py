@@ -11,6 +11,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# What stands in a block table for a block a sliding window left behind and the pool took back:
+# not a pool block (id 0 in a table, never read unmasked).
+WINDOW_GAP = KVCacheBlock(block_id=0, ref_cnt=1)
+
+
 class KVCacheManager:
     """Maps each request to the blocks holding its KV entries (its block table).
 
@@ -23,11 +28,17 @@ class KVCacheManager:
 
     A swapped-out request holds host blocks instead (same count, same order) until it is
     swapped back in.
+
+    With a `sliding_window` (a model whose every layer attends to at most that many latest
+    keys), the blocks a request's next queries can no longer see go back to the pool as it
+    advances; `WINDOW_GAP` takes their place in its table, so a block's index still says which
+    positions it held (attention never reads it: a window mask covers it).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, extra_key: bytes = b""):
+                 num_host_blocks: int = 0, extra_key: bytes = b"", sliding_window: int | None = None):
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
         self.extra_key = extra_key  # anything else that changes KV contents (e.g. a quantization id)
@@ -41,6 +52,7 @@ class KVCacheManager:
         self.num_swapped_in_blocks = 0
         self.num_copied_blocks = 0  # copy on write
         self.num_forked_blocks = 0  # block references shared by forking (n > 1)
+        self.num_window_freed_blocks = 0  # blocks a sliding window left behind, freed early
         self._copies: list[tuple[int, int]] = []
 
     @property
@@ -127,14 +139,27 @@ class KVCacheManager:
         blocks[:0] = computed_blocks
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if self.sliding_window is not None:
+            self._release_out_of_window(blocks, num_computed)
         return [b.block_id for b in (*joined, *new_blocks)]
+
+    def _release_out_of_window(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Free the blocks wholly before the window of the first query scheduled now (at
+        position num_computed, seeing keys from num_computed - window + 1 on): no later query
+        of the request sees them."""
+        first_needed = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        for i in range(first_needed):
+            if blocks[i] is not WINDOW_GAP:
+                self.block_pool.free_blocks([blocks[i]])
+                blocks[i] = WINDOW_GAP
+                self.num_window_freed_blocks += 1
 
     def fork(self, child: Request, parent: Request, num_tokens: int) -> None:
         """Let `child` share the parent's blocks holding its first `num_tokens` tokens (n > 1:
         the samples of one prompt). The first write into a shared block copies it."""
         assert child.request_id not in self.req_to_blocks
         shared = self.req_to_blocks[parent.request_id][: self.num_blocks_for(num_tokens)]
-        self.block_pool.touch(shared)
+        self.block_pool.touch([b for b in shared if b is not WINDOW_GAP])
         self.req_to_blocks[child.request_id] = list(shared)
         self._num_cached_blocks[child.request_id] = min(self._num_cached_blocks.get(parent.request_id, 0), len(shared))
         self.num_forked_blocks += len(shared)
@@ -155,7 +180,8 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         blocks = self.req_to_blocks[req_id]
         for i in range(start, min(end, len(hashes))):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not WINDOW_GAP:
+                self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[req_id] = min(end, len(hashes))
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -164,7 +190,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of the request, device and host, tail first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(blocks[::-1])
+        self.block_pool.free_blocks([b for b in blocks[::-1] if b is not WINDOW_GAP])
         self._num_cached_blocks.pop(request.request_id, None)
         host = self.req_to_host_blocks.pop(request.request_id, None)
         if host:
@@ -181,6 +207,8 @@ class KVCacheManager:
         blocks. The device blocks are freed (cached prefixes among them stay cached)."""
         blocks = self.req_to_blocks.get(request.request_id, [])
         if self.host_pool is None or not blocks or len(blocks) > self.host_pool.num_free_blocks:
+            return None
+        if WINDOW_GAP in blocks:  # (gaps have no contents to move: such a request is recomputed)
             return None
         host = self.host_pool.get_new_blocks(len(blocks))
         self.req_to_host_blocks[request.request_id] = host

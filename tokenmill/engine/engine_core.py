@@ -36,9 +36,12 @@ class EngineCore:
         self.last_num_prompt_tokens = 0
         self.last_num_generated_tokens = 0
         self.runner = ModelRunner(config, checkpoint, self.device, self.dtype, self.max_model_len)
+        # Blocks no layer's window reaches are freed early (every layer slides; a draft model,
+        # whose layers may not, reads the same tables).
+        window = arch.sliding_window if arch.all_layers_slide and self.runner.draft_model is None else None
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            num_host_blocks=self.runner.num_host_blocks,
+            num_host_blocks=self.runner.num_host_blocks, sliding_window=window,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
