@@ -35,6 +35,9 @@ LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -44,6 +47,10 @@ LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 GEMMA_LAYER_NAMES = LAYER_NAMES | {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -130,6 +137,8 @@ def write_gguf(path, arch: str, model, extra_kv=None, permute_qk=False, norm_plu
                 w = permute(w, c.num_attention_heads)
             if permute_qk and rest == "self_attn.k_proj.weight":
                 w = permute(w, c.num_key_value_heads)
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
         if norm_plus_one and gguf_name.endswith("norm.weight"):
             w = w + 1.0
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
@@ -169,6 +178,12 @@ CASES = {
     "mixtral": lambda path: _write(path, "llama", random_model(transformers.MixtralConfig(
         **COMMON, num_local_experts=4, num_experts_per_tok=2)), permute_qk=True,
         extra_kv=[lambda w: w.add_expert_count(4), lambda w: w.add_expert_used_count(2)]),
+    # Qwen2-MoE: a shared expert and its gate (one row, stored 1-D by llama.cpp)
+    "qwen2moe": lambda path: _write(path, "qwen2moe", random_model(transformers.Qwen2MoeConfig(
+        **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False)),
+        extra_kv=[lambda w: w.add_expert_count(4), lambda w: w.add_expert_used_count(2),
+                  lambda w: w.add_expert_feed_forward_length(32), lambda w: w.add_expert_shared_feed_forward_length(48)]),
     "qwen3moe": lambda path: _write(path, "qwen3moe", random_model(transformers.Qwen3MoeConfig(
         **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
         extra_kv=[lambda w: w.add_expert_count(4), lambda w: w.add_expert_used_count(2),
