@@ -174,8 +174,6 @@ CASES = [
     completion("suffix", 400, "suffix", suffix="!"),
     completion("best_of", 400, "best_of", best_of=3),
     completion("n-zero-stream", 400, "n", n=0, stream=True),
-    chat("tools", 400, "tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    chat("response_format-json_object", 400, "response_format", response_format={"type": "json_object"}),
     # -- routing -------------------------------------------------------------------------------------
     Case("endpoint-unknown", "POST", "/v1/nonexistent", 404, NO_PARAM, json={"model": MODEL}),
     Case("endpoint-unknown-get", "GET", "/v2/models", 404, NO_PARAM),

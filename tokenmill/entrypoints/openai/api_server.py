@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from types import UnionType
 from typing import Annotated, Union, get_args, get_origin
 
@@ -37,7 +38,8 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeRequest,
     check_request,
 )
-from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, _message_dict
+from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing
+from tokenmill.entrypoints.openai.tool_calls import tools_in_template
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,10 @@ class ServerState:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig):
         self.config = config
         self.model_name = config.served_model_name or engine_config.model
+        # Read and parsed before the model loads, so that a missing or broken file stops the server at once.
+        self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
+        if self.chat_template is not None:
+            tools_in_template(self.chat_template)
         self.llm = AsyncLLM(engine_config, log_stats_interval=config.log_stats_interval)
         self.metrics = ServerMetrics(self.llm, self.model_name)
         self.serving: OpenAIServing | None = None
@@ -74,7 +80,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             engine = await state.llm.wait_ready()
         except BaseException:  # noqa: BLE001 - logged by the engine thread; /health stays 503
             return
-        state.serving = OpenAIServing(state.llm, engine, state.model_name, state.metrics)
+        state.serving = OpenAIServing(state.llm, engine, state.model_name, state.metrics, state.chat_template)
         logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
@@ -192,7 +198,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         engine = s.engine
         if body.messages is not None:
-            text = engine.apply_chat_template([_message_dict(i, m) for i, m in enumerate(body.messages)])
+            text = s.chat_template.render(body.messages)
             tokens = engine.tokenizer.encode(text, add_special_tokens=False)
         else:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -17,6 +17,7 @@ class ServerConfig:
     max_request_body_bytes: int = 8 * 2**20
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 10.0
+    chat_template: str | None = None  # a Jinja file used instead of the model's chat template
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +36,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds running requests get to finish on SIGTERM (default: {d.shutdown_timeout:g})")
     parser.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval,
                         help=f"seconds between engine stats log lines, 0 = off (default: {d.log_stats_interval:g})")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file to use instead of the model's own (e.g. one that supports tools)")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                         max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-                        log_stats_interval=args.log_stats_interval)
+                        log_stats_interval=args.log_stats_interval, chat_template=args.chat_template)

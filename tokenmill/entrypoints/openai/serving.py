@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError, RequestStream
 from tokenmill.engine.llm_engine import InvalidPromptError, LLMEngine
+from tokenmill.entrypoints.openai.chat import ChatTemplate, ChoiceText, whole_message
 from tokenmill.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (
     MAX_STOP_STRING_LENGTH,
@@ -19,6 +20,8 @@ from tokenmill.entrypoints.openai.protocol import (
     completion_id,
     now,
 )
+from tokenmill.entrypoints.openai.structured_output import Constraint, build, constraint_of
+from tokenmill.entrypoints.openai.tool_calls import ToolChoice, check_tools, forced_call_schema
 from tokenmill.outputs import RequestOutput, TokenLogprob
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
@@ -41,10 +44,6 @@ class APIError(Exception):
         self.headers = headers
 
 
-def unsupported(field: str, what: str = "") -> APIError:
-    return APIError(400, f"{field} is not supported by this server{what}", param=field)
-
-
 @dataclass
 class _Job:
     """One engine request behind an API request: a prompt and its place among the choices."""
@@ -56,17 +55,18 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, engine: LLMEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, llm: AsyncLLM, engine: LLMEngine, model_name: str, metrics: ServerMetrics,
+                 chat_template: str | None = None):
         self.llm = llm
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.chat_template = ChatTemplate(engine.tokenizer, chat_template, engine.model_path.name)
 
     # -- request -> sampling params ---------------------------------------------------------------
 
-    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: bool = False) -> SamplingParams:
-        _check_structured_output(req)
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: bool = False,
+                        constraint: Constraint | None = None) -> SamplingParams:
         if not 1 <= req.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -92,6 +92,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs,
+            structured_output=constraint.params if constraint is not None else None,
         )
 
     def check_model(self, model: str | None) -> None:
@@ -106,14 +107,15 @@ class OpenAIServing:
         # max_tokens 0 with echo scores the prompt: the engine samples one token, which is dropped.
         score_only = req.echo and req.max_tokens == 0
         echo_logprobs = req.echo and req.logprobs is not None
-        params = self.sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs, echo_logprobs)
+        constraint = constraint_of(req)
+        params = self.sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs, echo_logprobs, constraint)
         prompts = _prompt_list(req.prompt)
         base = completion_id("cmpl")
         jobs = []
         for i, prompt in enumerate(prompts):
             echo = "" if not req.echo else (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt))
             jobs.append(_Job(f"{base}-{i}", prompt, i * req.n, echo))
-        streams = await self._start(jobs, params, chat=False)
+        streams = await self._start(jobs, params, chat=False, constraint=constraint)
         if req.stream:
             return self._stream_completions(base, jobs, streams, req, score_only)
         finals = await self._collect(streams, is_disconnected)
@@ -180,11 +182,17 @@ class OpenAIServing:
 
     async def chat_completions(self, req: ChatCompletionRequest, is_disconnected: Callable) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        if req.tools:
-            raise unsupported("tools")
         for field in ("tool_choice", "parallel_tool_calls"):
             if getattr(req, field) is not None and not req.tools:
                 raise APIError(400, f"{field} is only allowed when tools are given", param=field)
+        tool_choice = check_tools(req.tools, req.tool_choice)
+        constraint = constraint_of(req)
+        if tool_choice is not None and tool_choice.mode == "forced":
+            # the call is constrained to one of the allowed tools with arguments that fit its schema
+            if constraint is not None:
+                raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {constraint.field}",
+                               param="tool_choice")
+            constraint = Constraint(build("tools", json=forced_call_schema(tool_choice)), "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
@@ -195,18 +203,12 @@ class OpenAIServing:
                            param="max_completion_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs)
-        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        try:
-            prompt = self.engine.apply_chat_template(messages)
-        except InvalidPromptError:
-            raise
-        except Exception as e:  # noqa: BLE001  # a template that refuses the conversation (e.g. role order)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        params = self.sampling_params(req, max_tokens, logprobs, constraint=constraint)
+        prompt = self.chat_template.render(req.messages, tool_choice)
         base = completion_id("chatcmpl")
         jobs = [_Job(base, prompt, 0)]
         try:
-            streams = await self._start(jobs, params, chat=True)
+            streams = await self._start(jobs, params, chat=True, constraint=constraint)
         except (InvalidPromptError, SamplingParamsError, APIError) as e:
             # name the field the client sent (max_completion_tokens wins over max_tokens)
             if req.max_completion_tokens is not None and getattr(e, "field", None) == "max_tokens":
@@ -215,19 +217,22 @@ class OpenAIServing:
                 e.param = "max_completion_tokens"
             raise
         if req.stream:
-            return self._stream_chat(base, streams[0], req)
+            return self._stream_chat(base, streams[0], req, tool_choice)
         (final,) = await self._collect(streams, is_disconnected)
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": {"content": self._chat_logprobs(c.logprobs)} if req.logprobs else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        } for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = whole_message(c.text, c.finish_reason, tool_choice, req.parallel_tool_calls)
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": {"content": self._chat_logprobs(c.logprobs)} if req.logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            })
         return {"id": base, "object": "chat.completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": _usage([final])}
 
-    async def _stream_chat(self, base, stream, req) -> AsyncIterator[str]:
+    async def _stream_chat(self, base, stream, req, tool_choice: ToolChoice | None) -> AsyncIterator[str]:
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         extra = {"usage": None} if include_usage else {}
@@ -239,6 +244,7 @@ class OpenAIServing:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                      for i in range(req.n)])
         final = None
+        texts = [ChoiceText(tool_choice, req.parallel_tool_calls) for _ in range(req.n)]
         async for _, out in _errors_as_events(_merge([stream])):
             if isinstance(out, str):
                 yield out
@@ -250,8 +256,12 @@ class OpenAIServing:
                 logprobs = None
                 if req.logprobs and c.logprobs is not None:
                     logprobs = {"content": self._chat_logprobs(c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])}
-                choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                delta, finish_reason = texts[c.index].feed(c.delta_text), None
+                if c.finished:
+                    last, finish_reason = texts[c.index].finish(c.finish_reason)
+                    delta = _merge_deltas(delta, last)
+                if delta or logprobs or finish_reason:  # not a token inside a tool call, still being parsed
+                    choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
             if out.finished:
                 final = out
             if choices:
@@ -263,16 +273,19 @@ class OpenAIServing:
 
     # -- running requests ---------------------------------------------------------------------------
 
-    async def _start(self, jobs: list[_Job], params: SamplingParams, chat: bool) -> list[AsyncIterator[RequestOutput]]:
+    async def _start(self, jobs: list[_Job], params: SamplingParams, chat: bool,
+                     constraint: Constraint | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Submit every job. Validation errors surface here, before any response is sent, and
         leave nothing running."""
         streams: list[RequestStream] = []
         try:
             for job in jobs:
                 streams.append(await self.llm.add_request(job.request_id, job.prompt, params, chat))
-        except BaseException:
+        except BaseException as e:
             for stream in streams:
                 stream.abort()
+            if constraint is not None and isinstance(e, SamplingParamsError) and e.field.startswith("structured_output"):
+                raise constraint.field_error(e) from None  # a schema or grammar the backend cannot compile
             raise
         return [self._tracked(stream) for stream in streams]
 
@@ -431,27 +444,13 @@ def _prompt_list(prompt) -> list:
     return list(prompt)
 
 
-def _check_structured_output(req) -> None:
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise unsupported("response_format", " (only {\"type\": \"text\"})")
-    for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, field) is not None:
-            raise unsupported(field)
-
-
-def _message_dict(index: int, message) -> dict:
-    content = message.content
-    if isinstance(content, list):  # content parts: only text is understood
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{index}].content: only text parts are supported", param=f"messages.{index}.content")
-            texts.append(part["text"])
-        content = "".join(texts)
-    result = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
-    return result
+def _merge_deltas(first: dict, second: dict) -> dict:
+    merged = dict(first)
+    if "content" in second:
+        merged["content"] = merged.get("content", "") + second["content"]
+    if "tool_calls" in second:
+        merged["tool_calls"] = merged.get("tool_calls", []) + second["tool_calls"]
+    return merged
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
