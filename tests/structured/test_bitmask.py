@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.bitmask import allocate_bitmask, apply_bitmask_, num_words
+from tokenmill.structured.bitmask import allocate_bitmask, apply_bitmask_, masked, num_words
 
 
 def bitmask_of(allowed: list[list[int]], vocab_size: int) -> torch.Tensor:
@@ -93,3 +93,23 @@ def test_verify_rejects_a_draft_its_row_does_not_allow():
     allowed = AllowedTokens([0, 1, 2], bitmask_of([[10, 11], [11], list(range(vocab_size))], vocab_size))
     out = Sampler().verify(logits, rows, [[10, 10]], None, allowed)
     assert out.token_ids == [[10, 11]]
+
+
+@pytest.mark.parametrize("row_ids", [None, [1]], ids=["all", "one"])
+def test_masked_is_apply_on_a_copy(row_ids):
+    logits = torch.randn(2, 70).to(torch.bfloat16)
+    bitmask = bitmask_of([[1, 2, 69], [0, 40]], 70)
+    before = logits.clone()
+    out = masked(logits, bitmask, row_ids)
+    assert torch.equal(logits, before)
+    expected = logits.clone()
+    apply_bitmask_(expected, bitmask, row_ids)
+    assert torch.equal(out, expected)
+
+
+def test_greedy_rows_of_bf16_logits_are_masked_in_their_dtype():
+    logits = torch.randn(3, 64).to(torch.bfloat16)
+    rows = rows_of([SamplingParams(temperature=0.0)] * 3)
+    out = Sampler()(logits, rows, AllowedTokens([0, 2], bitmask_of([[5, 6], [], [63]], 64)))
+    assert out.token_ids[0] == 5 + int(logits[0, 6] > logits[0, 5]) and out.token_ids[2] == 63
+    assert out.token_ids[1] == int(logits[1].float().argmax())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.bitmask import apply_bitmask_
+from tokenmill.structured.bitmask import apply_bitmask_, masked
 
 _MASK64 = (1 << 64) - 1
 # Top-p first looks for its cut-off among this many most likely tokens (see _apply_top_k_top_p).
@@ -80,8 +80,11 @@ class Sampler:
                  allowed: AllowedTokens | None = None) -> SamplerOutput:
         _check_rows(logits, rows)
         need = _Needs.of(rows)
-        if need.all_greedy and not (need.processing or need.logprobs) and allowed is None:
-            # bf16/fp16 -> fp32 is exact and monotonic, so no conversion is needed.
+        if need.all_greedy and not (need.processing or need.logprobs):
+            # bf16/fp16 -> fp32 is exact and monotonic, so no conversion is needed (a grammar's
+            # -inf masks are exact in any dtype).
+            if allowed is not None and allowed.row_ids:
+                logits = masked(logits, allowed.bitmask, _subset(allowed, logits))
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         raw = logits.float()  # [num_rows, vocab_size]; the caller's tensor when already fp32
@@ -390,9 +393,15 @@ def _process(raw: torch.Tensor, rows: list[SamplingRow], need: _Needs, allowed: 
 
 def _apply_allowed(x: torch.Tensor, allowed: AllowedTokens, copy: bool) -> torch.Tensor:
     """Stage 4: the constrained rows keep only their allowed tokens (in place unless `copy`)."""
-    x = x.clone() if copy else x
-    apply_bitmask_(x, allowed.bitmask, None if len(allowed.row_ids) == x.shape[0] else allowed.row_ids)
+    if copy:
+        return masked(x, allowed.bitmask, _subset(allowed, x))
+    apply_bitmask_(x, allowed.bitmask, _subset(allowed, x))
     return x
+
+
+def _subset(allowed: AllowedTokens, x: torch.Tensor) -> list[int] | None:
+    """The constrained rows, or None when they are all of x's."""
+    return None if len(allowed.row_ids) == x.shape[0] else allowed.row_ids
 
 
 def _add_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
