@@ -1,7 +1,8 @@
 """Structured output over HTTP with the `openai` client against a real `tokenmill serve`:
 `response_format` (json_object, json_schema) and vLLM's guided_json / guided_regex /
 guided_choice / guided_grammar on both endpoints, streamed and not, n > 1. Every output parses
-and validates (jsonschema, re.fullmatch); bad constraints are a 400 naming the field sent."""
+and validates (jsonschema when installed, re.fullmatch); bad constraints are a 400 naming the
+field sent."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import re
 import openai
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.entrypoints.schema_check import validate
 
-jsonschema = pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
 PERSON = {
@@ -67,7 +68,7 @@ def test_response_format_json_schema(client, stream):
     texts = _chat_texts(client, stream, response_format=fmt, **SAMPLED)
     assert len(texts) == 2 and len(set(texts)) > 1, texts
     for text in texts:
-        jsonschema.validate(json.loads(text), PERSON)
+        validate(json.loads(text), PERSON)
 
 
 def test_response_format_json_object(client):
@@ -79,10 +80,10 @@ def test_response_format_json_object(client):
 
 def test_guided_json_on_completions(client):
     for text in _completion_texts(client, False, extra_body={"guided_json": PERSON}, **SAMPLED):
-        jsonschema.validate(json.loads(text), PERSON)
+        validate(json.loads(text), PERSON)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     (text,) = _completion_texts(client, True, extra_body={"response_format": fmt}, temperature=0)
-    jsonschema.validate(json.loads(text), PERSON)
+    validate(json.loads(text), PERSON)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])

@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.entrypoints.schema_check import validate
 from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,6 @@ def test_auto_tool_call_whole_and_streamed(client):
 def test_forced_tool_call_is_always_valid(client, tool_choice):
     """required / a named function: the grammar engine makes every sample one valid call, even
     sampled at temperature 1 from a model never trained on tools."""
-    jsonschema = pytest.importorskip("jsonschema")
     messages = [{"role": "user", "content": "What time is it in Paris, and is it raining there?"}]
     kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=60,
                   temperature=1.0, seed=11)
@@ -88,7 +88,7 @@ def test_forced_tool_call_is_always_valid(client, tool_choice):
         (call,) = choice.message.tool_calls
         if isinstance(tool_choice, dict):
             assert call.function.name == "get_time"
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
 def test_tool_choice_none_and_no_parallel_calls(client):

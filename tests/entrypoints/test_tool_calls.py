@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tests.entrypoints.schema_check import SchemaError, _check, validate
 from tokenmill.entrypoints.openai.tool_calls import (
     ToolCallParser,
     ToolError,
@@ -95,16 +96,29 @@ def test_tool_choice_modes():
 
 
 def test_forced_call_schema_admits_exactly_the_allowed_calls():
-    jsonschema = pytest.importorskip("jsonschema")
     schema = forced_call_schema(check_tools([WEATHER, TIME], "required"))
-    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Paris"}}, schema)
-    jsonschema.validate({"name": "get_time", "arguments": {}}, schema)
+    validate({"name": "get_weather", "arguments": {"city": "Paris"}}, schema)
+    validate({"name": "get_time", "arguments": {}}, schema)
     for bad in ({"name": "get_weather", "arguments": {}}, {"name": "other", "arguments": {}}, {"name": "get_time"}):
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(bad, schema)
+        with pytest.raises(SchemaError):
+            validate(bad, schema)
     named = forced_call_schema(check_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}))
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"name": "get_time", "arguments": {}}, named)
+    with pytest.raises(SchemaError):
+        validate({"name": "get_time", "arguments": {}}, named)
+
+
+def test_schema_check_without_jsonschema():
+    """The subset validator the tests fall back on where jsonschema is not installed."""
+    schema = forced_call_schema(check_tools([WEATHER, TIME], "required"))
+    _check({"name": "get_weather", "arguments": {"city": "Paris"}}, schema, "$")
+    for bad in ({"name": "get_weather", "arguments": {}}, {"name": "other", "arguments": {}}, {"name": "get_time"},
+                {"name": "get_time", "arguments": {}, "extra": 1}, {"name": "get_weather", "arguments": {"city": 5}}):
+        with pytest.raises(SchemaError):
+            _check(bad, schema, "$")
+    with pytest.raises(SchemaError):
+        _check({"c": "x" * 13}, {"type": "object", "properties": {"c": {"type": "string", "maxLength": 12}}}, "$")
+    with pytest.raises(SchemaError):
+        _check({"c": "teal"}, {"type": "object", "properties": {"c": {"enum": ["red"]}}}, "$")
 
 
 def test_template_tool_calls_parse_arguments():
