@@ -14,17 +14,27 @@ from tokenmill.bench.datasets import DatasetError
 
 
 class ServerTokenizer:
-    """`POST /tokenize` and `/detokenize` of the server under test. The bodies carry both the
-    tokenmill/vLLM field names (`prompt`, `add_special_tokens`) and llama.cpp's (`content`,
-    `add_special`), and the answers are read in either shape, so the same workload is cut with
-    each server's own tokenizer."""
+    """`POST /tokenize` and `/detokenize` of the server under test. The tokenize body has
+    tokenmill/vLLM's field names (`prompt`, `add_special_tokens`), or llama.cpp's (`content`,
+    `add_special`) once a server refused those (servers that refuse unknown fields take only
+    their own); the answers are read in either shape, so the same workload is cut with each
+    server's own tokenizer."""
 
     def __init__(self, root_url: str, headers: dict[str, str], timeout: float = 60.0):
         self._client = httpx.Client(base_url=root_url, headers=headers, timeout=timeout)
+        self._llama_cpp_names = False
 
     def encode(self, text: str) -> list[int]:
-        body = self._post("/tokenize", {"prompt": text, "content": text, "add_special_tokens": False,
-                                        "add_special": False})
+        vllm = {"prompt": text, "add_special_tokens": False}
+        llama_cpp = {"content": text, "add_special": False}
+        if self._llama_cpp_names:
+            body = self._post("/tokenize", llama_cpp)
+        else:
+            try:
+                body = self._post("/tokenize", vllm)
+            except DatasetError:
+                body = self._post("/tokenize", llama_cpp)
+                self._llama_cpp_names = True
         tokens = body.get("tokens")
         if not isinstance(tokens, list):
             raise DatasetError(f"/tokenize answered without a token list: {str(body)[:200]}")
