@@ -298,10 +298,14 @@ class LlamaForCausalLM(nn.Module):
                 target = target.narrow(0, half * inner, inner)
             return ours, (expert, half), target
         ours = ".".join(parts)
-        if ours not in params:
-            return None
-        whole = len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj")  # fused in the checkpoint too (Phi-3)
-        return ours, "all" if whole else 0, params[ours]
+        return (ours, self.whole_shard(ours), params[ours]) if ours in params else None
+
+    @staticmethod
+    def whole_shard(name: str) -> object:
+        """The shard key of parameter `name` loaded whole: "all" for a fused linear's (fused in the
+        checkpoint too, as in Phi-3), else 0."""
+        parts = name.split(".")
+        return "all" if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj") else 0
 
     def _expected_shards(self, name: str, param: torch.Tensor) -> set:
         stem = name.rsplit(".", 1)[0].split(".")[-1]

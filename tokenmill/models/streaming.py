@@ -46,6 +46,7 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
                for name in linears}
     if tied:  # the head is the embedding: finished once that is loaded
         pending["lm_head"] = [embedding]
+        owner[embedding] = "lm_head"
         expected.pop("lm_head.weight")
 
     def complete(param: str) -> bool:
@@ -71,7 +72,7 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     for ckpt_name, tensor in checkpoint.weights():
         name = ckpt_name.removeprefix("model.")
         if staging.adopt(name, tensor):  # a whole float32 weight that is staged in float32: kept as it came
-            ours, shard = name, "all" if name.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj") else 0
+            ours, shard = name, model.whole_shard(name)
             target = tensor
         else:
             place = model._placement(staging, name)
@@ -89,20 +90,20 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
             target.add_(offset)
         del target
         loaded.setdefault(ours, set()).add(shard)
-        for linear in [n for n, keys in pending.items() if ours in keys]:
-            if all(complete(key) for key in pending[linear]):
-                finish(linear)
+        linear = owner.get(ours)
+        if linear in pending and all(complete(key) for key in pending[linear]):
+            finish(linear)
     missing = sorted(n for n in expected if not complete(n))
     if missing:
         raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' …' if len(missing) > 8 else ''}")
     # Every other parameter: its staging, in the compute dtype, on the device.
+    name_of = {id(p): n for n, p in reversed(params.items())}  # (a tied one by its first name)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             continue
         for key, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                full = next(n for n, q in params.items() if q is p)
-                module._parameters[key] = nn.Parameter(staging[full].to(device=device, dtype=dtype), requires_grad=False)
+                module._parameters[key] = nn.Parameter(staging[name_of[id(p)]].to(device=device, dtype=dtype), requires_grad=False)
         for key, b in list(module._buffers.items()):
             if b is not None and not b.is_meta:
                 module._buffers[key] = b.to(device)
