@@ -134,11 +134,14 @@ class IncrementalDetokenizer:
         self.output_text += text
         if not self._stop:
             return None
-        # A stop string can only be new if it ends inside the appended text.
+        # A stop string can only be new if it ends inside the appended text. The one that
+        # completes first wins (the smallest end, then the earliest start), as it would had the
+        # text come one character at a time: several tokens at once (speculative decoding) or a
+        # many-character token end the request exactly where single tokens would.
         hit_at, hit = -1, None
         for stop in self._stop:
             i = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
-            if i != -1 and (hit is None or i < hit_at):
+            if i != -1 and (hit is None or (i + len(stop), i) < (hit_at + len(hit), hit_at)):
                 hit_at, hit = i, stop
         if hit is None:
             return None
