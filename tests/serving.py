@@ -30,12 +30,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *flags: str, log_path: Path):
+    def __init__(self, model: str, *flags: str, log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill.cli", "--log-level", "INFO", "serve", str(model),
              "--host", "127.0.0.1", "--port", str(self.port), *flags],

@@ -10,6 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from tokenmill.engine.faults import FaultPlan
 from tokenmill.layers.cpu_isa import ISA_LEVELS, host_isa, native_bf16
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -122,6 +123,10 @@ class EngineConfig:
     # verifying drafts costs more than it saves).
     speculative_adaptive: bool = True
     speculative_max_running: int = 2
+    # Testing only: a fault the engine injects into its own step (engine/faults.py:
+    # "raise@step=N" or "stall@step=N:seconds=S"). The CLI reads it from the
+    # TOKENMILL_FAULT_INJECT environment variable at start-up; there is no flag.
+    fault_injection: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -174,6 +179,11 @@ class EngineConfig:
         _check_min("speculative_max_running", self.speculative_max_running, 1)
         if self.block_size & (self.block_size - 1):
             raise ConfigError("block_size", f"must be a power of two, got {self.block_size}")
+        if self.fault_injection is not None:
+            try:
+                FaultPlan.parse(self.fault_injection)
+            except ValueError as e:
+                raise ConfigError("fault_injection", str(e)) from None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from tokenmill.config import (
     ATTENTION_BACKENDS, CPU_KV_CACHE_MEMORY_GB, DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS,
     QUANTIZATION_METHODS, SPECULATIVE_METHODS,
     EngineConfig,
 )
+from tokenmill.engine.faults import FAULT_ENV
 from tokenmill.layers.cpu_isa import ISA_LEVELS
 from tokenmill.quantization.cli import add_calibration_args
 
@@ -113,4 +115,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    # Fault injection (tests only) comes from the environment, read once here at start-up.
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names},
+                        fault_injection=os.environ.get(FAULT_ENV) or None)

@@ -31,7 +31,8 @@ class RequestAbortedError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an unexpected error; no request can make progress."""
+    """The engine thread stopped on an unexpected error, or one step ran past the watchdog's
+    limit (a wedged engine); no request can make progress."""
 
 
 @dataclass
@@ -41,6 +42,10 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    num_blocks: int = 0  # KV blocks on the device, and how many are free (cached prefixes count as free)
+    num_free_blocks: int = 0
+    num_host_blocks: int = 0  # host blocks for swapping, and how many are free
+    num_free_host_blocks: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (prefill, including recomputation)
@@ -103,15 +108,25 @@ class RequestStream:
 
 class AsyncLLM:
     """Call `start()` (loads the model on the engine thread) from inside a running event loop,
-    then `add_request()` from any coroutine on that loop."""
+    then `add_request()` from any coroutine on that loop.
 
-    def __init__(self, config: EngineConfig, log_stats_interval: float = 10.0):
+    Failure contract: if a step raises, or one step runs longer than `step_timeout` seconds
+    (a watchdog on the event loop checks; None = no limit), the engine is dead for good:
+    `dead_error` is set, `dead` fires, every unfinished request's stream raises
+    EngineDeadError at once, and `add_request` raises it from then on. A stalled step is
+    never waited for; its outputs, if it ever returns, are dropped."""
+
+    def __init__(self, config: EngineConfig, log_stats_interval: float = 10.0, step_timeout: float | None = None):
         self.config = config
         self.log_stats_interval = log_stats_interval
+        self.step_timeout = step_timeout
         self.engine: LLMEngine | None = None
         self.ready = asyncio.Event()
         self.load_error: BaseException | None = None
         self.dead_error: BaseException | None = None
+        self.dead = asyncio.Event()
+        self._step_started: float | None = None  # monotonic start of the step running now
+        self._watchdog: asyncio.Future | None = None
         self.stats = EngineStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -125,6 +140,8 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
+        if self.step_timeout is not None:
+            self._watchdog = asyncio.ensure_future(self._watch_steps(self.step_timeout))
 
     async def wait_ready(self) -> LLMEngine:
         await self.ready.wait()
@@ -135,7 +152,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._commands.put(None)  # wake the thread if it is idle
-        if self._thread is not None:
+        if self._thread is not None and self.dead_error is None:  # a wedged thread is not waited for
             self._thread.join(timeout)
 
     @property
@@ -158,6 +175,8 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         prepared = engine.prepare_request(request_id, prompt, params, chat)
+        if self.dead_error is not None:  # it may have died while we awaited: its queues are failed already
+            raise EngineDeadError(f"the engine stopped: {self.dead_error!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._commands.put(("add", prepared))
@@ -184,19 +203,24 @@ class AsyncLLM:
             self.load_error = e
             self._loop.call_soon_threadsafe(self.ready.set)
             return
-        self._loop.call_soon_threadsafe(self.ready.set)
         engine = self.engine
+        self._refresh_gauges(engine)
+        self._loop.call_soon_threadsafe(self.ready.set)
         last_log = time.monotonic()
         logged = EngineStats()
         try:
-            while not self._stop:
+            while not self._stop and self.dead_error is None:
                 block = not engine.has_unfinished_requests()
                 self._apply_commands(engine, block)
                 if self._stop:
                     break
                 self._refresh_gauges(engine)  # aborts free blocks even when no step follows
                 if engine.has_unfinished_requests():
+                    self._step_started = time.monotonic()
                     outputs = engine.step()
+                    self._step_started = None
+                    if self.dead_error is not None:
+                        break  # the watchdog gave up on this step: its requests were failed already
                     self._count_step(engine)
                     self._refresh_gauges(engine)
                     if outputs:
@@ -206,9 +230,18 @@ class AsyncLLM:
                     self._log_stats(logged, now - last_log)
                     logged, last_log = _copy(self.stats), now
         except BaseException as e:  # noqa: BLE001 - fail every request rather than hang them
+            self._step_started = None
             logger.exception("engine step failed; the engine is stopped")
-            self.dead_error = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            self._loop.call_soon_threadsafe(self._die, e)
+
+    async def _watch_steps(self, timeout: float) -> None:
+        """Declare the engine dead when one step has run for more than `timeout` seconds."""
+        while self.dead_error is None and not self._stop:
+            await asyncio.sleep(min(0.25, timeout / 4))
+            started = self._step_started
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("an engine step has run for more than %gs; the engine is stopped", timeout)
+                self._die(TimeoutError(f"an engine step ran for more than {timeout:g}s"))
 
     def _apply_commands(self, engine: LLMEngine, block: bool) -> None:
         while True:
@@ -236,6 +269,9 @@ class AsyncLLM:
         s.kv_cache_usage = core.kv_cache_manager.usage
         s.num_preemptions = core.scheduler.num_preemptions
         kv = core.kv_cache_manager
+        s.num_blocks, s.num_free_blocks = kv.block_pool.num_blocks, kv.num_free_blocks
+        if kv.host_pool is not None:
+            s.num_host_blocks, s.num_free_host_blocks = kv.host_pool.num_blocks, kv.host_pool.num_free_blocks
         s.prefix_cache_queries = kv.prefix_query_tokens
         s.prefix_cache_hits = kv.prefix_hit_tokens
         s.prefix_cache_evictions = kv.block_pool.num_evictions
@@ -287,10 +323,15 @@ class AsyncLLM:
         if q is not None:
             q.put_nowait(item)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _die(self, error: BaseException) -> None:
+        """The engine is dead: fail every unfinished request now (on the event loop)."""
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
         dead = EngineDeadError(f"the engine stopped: {error!r}")
         for q in self._queues.values():
             q.put_nowait(_Failed(dead))
+        self.dead.set()
 
 
 def _copy(stats: EngineStats) -> EngineStats:

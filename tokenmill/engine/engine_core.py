@@ -11,6 +11,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from tokenmill.engine.faults import FaultPlan
 from tokenmill.models.loader import LoadedCheckpoint
 from tokenmill.worker.cpu import keep_large_allocations_in_heap
 from tokenmill.worker.model_runner import ModelRunner
@@ -33,6 +34,8 @@ class EngineCore:
                 f"{self.max_model_len} exceeds the model's context length {arch.max_position_embeddings}",
             )
         self.config = config
+        self.num_steps = 0
+        self.faults = FaultPlan.parse(config.fault_injection) if config.fault_injection else None  # tests only
         self.last_num_prompt_tokens = 0
         self.last_num_generated_tokens = 0
         self.runner = ModelRunner(config, checkpoint, self.device, self.dtype, self.max_model_len)
@@ -100,6 +103,9 @@ class EngineCore:
             if scheduled.num_scheduled_tokens[data.req_id] == 1 + len(spec.get(data.req_id, ()))
             and data.num_computed_tokens >= requests[data.req_id].num_prompt_tokens
         )
+        self.num_steps += 1
+        if self.faults is not None:
+            self.faults.before_forward(self.num_steps)
         result = self.runner.execute_model(scheduled)
         outputs = self.scheduler.update(scheduled, result)
         # For throughput stats: tokens prefilled (prompts, and outputs recomputed after a

@@ -3,7 +3,10 @@
 One process: uvicorn's event loop answers HTTP, an `AsyncLLM` steps the engine on its own
 thread. The model loads in the background after the socket is open (`/health` answers 503
 until it is ready). SIGTERM/SIGINT drain: new requests get 503, running ones get up to
-`--shutdown-timeout` seconds to finish, the rest are aborted, and the process exits 0.
+`--shutdown-timeout` seconds to finish, the rest are aborted, and the process exits 0. When the
+engine dies (a step raised, or ran past `--engine-step-timeout`), every request gets an error,
+/health answers 503, and the process exits with status 1 `DEAD_EXIT_GRACE` seconds later, for a
+supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class ServerState:
         self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
         if self.chat_template is not None:
             tools_in_template(self.chat_template)
-        self.llm = AsyncLLM(engine_config, log_stats_interval=config.log_stats_interval)
+        self.llm = AsyncLLM(engine_config, log_stats_interval=config.log_stats_interval,
+                            step_timeout=config.engine_step_timeout or None)
         self.metrics = ServerMetrics(self.llm, self.model_name)
         self.serving: OpenAIServing | None = None
         self.draining = False
@@ -340,14 +344,35 @@ def _short(value, limit: int = 80) -> str:
 # -- running it --------------------------------------------------------------------------------------
 
 
+# Seconds a server whose engine died keeps answering (503s, and the errors of the requests it
+# had) before it exits with status 1: time for in-flight responses to go out and for a health
+# probe to see the 503.
+DEAD_EXIT_GRACE = 2.0
+
+
 class _DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first SIGTERM/SIGINT drains the engine before shutting down."""
+    """A uvicorn server whose first SIGTERM/SIGINT drains the engine before shutting down, and
+    that exits with status 1 soon after its engine dies."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float):
         super().__init__(config)
         self.state = state
         self.timeout = timeout
         self._drain_task: asyncio.Task | None = None
+        self.exit_code = 0
+        self._dead_since: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.llm.dead_error is not None:
+            now = time.monotonic()
+            if self._dead_since is None:
+                self._dead_since = now
+                logger.error("the engine stopped (%r); exiting with status 1 in %gs",
+                             self.state.llm.dead_error, DEAD_EXIT_GRACE)
+            if now - self._dead_since >= DEAD_EXIT_GRACE:
+                self.exit_code = 1
+                return True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig, frame) -> None:
         if self._drain_task is not None or self.should_exit:  # a second signal: stop now
@@ -377,4 +402,4 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
                                timeout_graceful_shutdown=5, access_log=False)
     server = _DrainingServer(uv_config, app.state.server, config.shutdown_timeout)
     server.run()
-    return 0
+    return server.exit_code

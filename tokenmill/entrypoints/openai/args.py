@@ -16,6 +16,9 @@ class ServerConfig:
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 2**20
     shutdown_timeout: float = 30.0
+    # The engine is declared dead (every request failed, /health 503, exit status 1) when one
+    # step runs longer than this many seconds; 0 = never.
+    engine_step_timeout: float = 60.0
     log_stats_interval: float = 10.0
     chat_template: str | None = None  # a Jinja file used instead of the model's chat template
 
@@ -34,6 +37,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help=f"answer 413 for larger request bodies (default: {d.max_request_body_bytes})")
     parser.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                         help=f"seconds running requests get to finish on SIGTERM (default: {d.shutdown_timeout:g})")
+    parser.add_argument("--engine-step-timeout", type=float, default=d.engine_step_timeout,
+                        help="seconds one engine step may run before the engine counts as wedged: every request "
+                             "then gets an error, /health answers 503 and the server exits with status 1; 0 = no "
+                             f"limit (default: {d.engine_step_timeout:g})")
     parser.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval,
                         help=f"seconds between engine stats log lines, 0 = off (default: {d.log_stats_interval:g})")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
@@ -44,4 +51,5 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                         max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-                        log_stats_interval=args.log_stats_interval, chat_template=args.chat_template)
+                        log_stats_interval=args.log_stats_interval, chat_template=args.chat_template,
+                        engine_step_timeout=args.engine_step_timeout)

@@ -326,6 +326,9 @@ class OpenAIServing:
             watcher.cancel()
             for t in tasks:
                 t.cancel()
+            # Let the cancelled tasks unwind out of their streams (which aborts the requests):
+            # closing a stream a task is still inside raises "already running".
+            await asyncio.gather(*tasks, return_exceptions=True)
             for s in streams:
                 await s.aclose()
 
@@ -406,6 +409,7 @@ async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Reque
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # out of the streams before closing them
         for s in streams:
             await s.aclose()
 
