@@ -5,6 +5,7 @@ KV cache too small for them; stops, max_tokens, logprobs and seeds behave as wit
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
@@ -103,6 +104,35 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(spec):
     batched = spec.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]],
                             [greedy(12), params, greedy(5)])[1].outputs[0].token_ids
     assert alone == again == batched and len(alone) == 16
+
+
+# -- isolation ---------------------------------------------------------------------------------
+
+# 8 tasks x 4 variants behind one system line: requests share prefixes (prefix-cache hits) and
+# repeat themselves (n-gram drafts get accepted).
+_SYSTEM = "You are a terse assistant. Continue the text exactly in the style it starts in.\n\n"
+_TASKS = ["Count: 1, 2, 3, 4, 5, 6, 7, 8,", "The cat sat on the mat. The cat sat on the mat. The cat",
+          "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "Monday, Tuesday, Wednesday,",
+          "A: red, B: green, C: blue, A: red, B:", "Paris is in France. Rome is in Italy. Madrid",
+          "<li>one</li>\n<li>two</li>\n<li>", "x = x + 1\ny = y + 1\nz ="]
+ISOLATION_PROMPTS = [f"{_SYSTEM}{task} (variant {v})\n{task}" for v in range(4) for task in _TASKS]
+
+
+def test_32_prompts_alone_and_together_in_shuffled_order_are_token_identical(spec):
+    """A request's greedy output does not depend on what runs beside it (fp32, prefix caching and
+    n-gram speculation on): 32 prompts generated one at a time (each speculating at every step,
+    later ones adopting the earlier ones' cached prefixes) equal the same 32 submitted together in
+    shuffled order (no speculation while more than 8 run, then the shortest finish and the rest
+    speculate)."""
+    params = {p: greedy(20 if i % 8 == 7 else 6 + 2 * (i % 3)) for i, p in enumerate(ISOLATION_PROMPTS)}
+    sched, kv = spec.engine.core.scheduler, spec.engine.core.kv_cache_manager
+    alone = {p: spec.generate(p, params[p])[0].outputs[0].token_ids for p in ISOLATION_PROMPTS}
+    order = random.Random(0).sample(ISOLATION_PROMPTS, len(ISOLATION_PROMPTS))
+    hits, drafts = kv.prefix_hit_tokens, sched.num_spec_drafts
+    together = spec.generate(order, [params[p] for p in order])
+    assert {p: o.outputs[0].token_ids for p, o in zip(order, together)} == alone
+    assert kv.prefix_hit_tokens > hits and sched.num_spec_drafts > drafts  # both paths ran together too
+    assert sched.num_spec_accepted_tokens > 0
 
 
 # -- draft model --------------------------------------------------------------------------------
