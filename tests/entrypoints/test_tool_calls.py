@@ -78,6 +78,8 @@ def test_stream_releases_content_before_the_end():
     ([WEATHER], "sometimes", "tool_choice"),
     ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice"),
     ([WEATHER], {"type": "function"}, "tool_choice"),
+    ([WEATHER], {"type": "function", "function": "get_weather"}, "tool_choice"),
+    ([WEATHER], {"type": "function", "function": [None, None]}, "tool_choice"),
 ])
 def test_bad_tools_name_the_field(tools, choice, field):
     with pytest.raises(ToolError) as e:

@@ -21,18 +21,21 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Union, get_args, get_origin
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 import tokenmill
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
-from tokenmill.entrypoints.openai.args import ServerConfig
+from tokenmill.entrypoints.openai.args import PROMPT_CHARS_PER_TOKEN, ServerConfig
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -84,12 +87,16 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             engine = await state.llm.wait_ready()
         except BaseException:  # noqa: BLE001 - logged by the engine thread; /health stays 503
             return
-        state.serving = OpenAIServing(state.llm, engine, state.model_name, state.metrics, state.chat_template)
+        max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
+        state.serving = OpenAIServing(state.llm, engine, state.model_name, state.metrics, state.chat_template,
+                                      max_prompt_chars=max_prompt_chars)
         logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.server = state
     app.add_middleware(_BodySizeLimit, limit=config.max_request_body_bytes)
+    app.add_middleware(_HeaderLimit, max_bytes=config.max_header_bytes, max_count=config.max_header_count)
+    app.openapi = lambda: _openapi(app)
 
     # -- errors ------------------------------------------------------------------------------------
 
@@ -119,6 +126,10 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", made specific
+            bad = e.__cause__
+            return error_response(400, f"request body is not valid JSON: it is not valid UTF-8 (byte "
+                                       f"{bad.object[bad.start]:#04x} at position {bad.start}: {bad.reason})")
         return error_response(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error")
 
     @app.exception_handler(EngineDeadError)
@@ -203,8 +214,10 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
         engine = s.engine
         if body.messages is not None:
             text = s.chat_template.render(body.messages)
+            s.check_prompt_length(text, "messages")
             tokens = engine.tokenizer.encode(text, add_special_tokens=False)
         else:
+            s.check_prompt_length(body.prompt, "prompt")
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
@@ -282,11 +295,114 @@ class _BodyTooLarge(StarletteHTTPException):
 
 
 async def _too_large(limit: int, send) -> None:
-    body = json.dumps({"error": {"message": f"request body is larger than {limit} bytes",
-                                 "type": "invalid_request_error", "param": None, "code": 413}}).encode()
-    await send({"type": "http.response.start", "status": 413,
+    await _send_error(send, 413, f"request body is larger than {limit} bytes")
+
+
+class _HeaderLimit:
+    """431 for a request with more than `max_count` headers, or whose request line and headers
+    together are over `max_bytes` (counted as sent: `name: value` lines). uvicorn's h11 parser
+    stops a head that is still incomplete past that size plus HEAD_SLACK_BYTES (`_H11Protocol`),
+    so this sees every head up to there."""
+
+    def __init__(self, app, max_bytes: int, max_count: int):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_count = max_count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope.get("headers", [])
+        if len(headers) > self.max_count:
+            return await _send_error(send, 431, f"the request has {len(headers)} headers; at most "
+                                                f"{self.max_count} are allowed")
+        size = head_size(scope)
+        if size > self.max_bytes:
+            return await _send_error(send, 431, f"the request line and headers are {size} bytes; at most "
+                                                f"{self.max_bytes} are allowed")
+        return await self.app(scope, receive, send)
+
+
+def head_size(scope) -> int:
+    """The bytes of a request's line and header lines as sent (`METHOD target HTTP/1.1`, `name: value`)."""
+    query = scope.get("query_string", b"")
+    target = len(scope.get("raw_path") or scope["path"].encode()) + (len(query) + 1 if query else 0)
+    line = len(scope["method"]) + 1 + target + len(" HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in scope.get("headers", []))
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+# Room past --max-header-bytes before the HTTP parser gives up on an incomplete request head, so
+# that `_HeaderLimit` (which sees only complete heads) answers every head near the limit.
+HEAD_SLACK_BYTES = 8 * 2**10
+
+
+class _H11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, with the errors it answers before the app sees a request (a
+    request head over the parser's buffer, a request that is not HTTP) in the API's JSON shape:
+    431 and 400 with an OpenAI error body instead of a plain-text 400."""
+
+    def send_400_response(self, msg: str) -> None:
+        pending, _ = self.conn.trailing_data
+        if len(pending) > self.config.h11_max_incomplete_event_size:
+            limit = self.config.h11_max_incomplete_event_size - HEAD_SLACK_BYTES
+            status, message = 431, f"the request line and headers are larger than {limit} bytes"
+        else:
+            status, message = 400, "invalid HTTP request: the request line or headers could not be parsed"
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": status}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema with the answers the server gives: errors in OpenAI's shape (400 where
+    FastAPI would say 422), the limits' 413 and 431, streams as server-sent events."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    schemas["ErrorResponse"] = {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}},
+    }
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    reasons = {"400": "invalid request (the error's param names the field)", "401": "missing or wrong API key",
+               "404": "unknown model", "413": "request body over --max-request-body-bytes",
+               "429": "too many requests queued", "431": "request headers over --max-header-bytes or --max-header-count",
+               "503": "loading, shutting down or the engine stopped"}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            statuses = ["400", "413", "431"]
+            if path in _BODY_MODELS:
+                statuses += ["401", "404", "503"] + (["429"] if path.startswith("/v1/") else [])
+            elif path == "/v1/models":
+                statuses += ["401"]
+            elif path == "/health":
+                statuses += ["503"]
+            for status in sorted(statuses):
+                responses[status] = {"description": reasons[status], **error}
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    app.openapi_schema = schema
+    return schema
 
 
 _BODY_MODELS: dict[str, type[BaseModel]] = {
@@ -399,7 +515,8 @@ class _DrainingServer(uvicorn.Server):
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info") -> int:
     app = build_app(engine_config, config)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
-                               timeout_graceful_shutdown=5, access_log=False)
+                               timeout_graceful_shutdown=5, access_log=False, http=_H11Protocol,
+                               h11_max_incomplete_event_size=config.max_header_bytes + HEAD_SLACK_BYTES)
     server = _DrainingServer(uv_config, app.state.server, config.shutdown_timeout)
     server.run()
     return server.exit_code

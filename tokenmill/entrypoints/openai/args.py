@@ -6,6 +6,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+# The default --max-prompt-chars per token of context: far above any real text's characters per
+# token, so a prompt it refuses would not have fit the context anyway; it keeps the tokenizer
+# from spending seconds of the event loop on a body-sized prompt.
+PROMPT_CHARS_PER_TOKEN = 16
+
 
 @dataclass
 class ServerConfig:
@@ -15,12 +20,22 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 2**20
+    max_header_bytes: int = 32 * 2**10  # the request line and headers together
+    max_header_count: int = 100
+    max_prompt_chars: int | None = None  # default: PROMPT_CHARS_PER_TOKEN x the model's context length
     shutdown_timeout: float = 30.0
     # The engine is declared dead (every request failed, /health 503, exit status 1) when one
     # step runs longer than this many seconds; 0 = never.
     engine_step_timeout: float = 60.0
     log_stats_interval: float = 10.0
     chat_template: str | None = None  # a Jinja file used instead of the model's chat template
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +50,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help=f"answer 429 while this many requests are queued (default: {d.max_waiting_requests})")
     parser.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                         help=f"answer 413 for larger request bodies (default: {d.max_request_body_bytes})")
+    parser.add_argument("--max-header-bytes", type=_positive_int, default=d.max_header_bytes,
+                        help=f"answer 431 when the request line and headers together are larger (default: {d.max_header_bytes})")
+    parser.add_argument("--max-header-count", type=_positive_int, default=d.max_header_count,
+                        help=f"answer 431 for requests with more headers (default: {d.max_header_count})")
+    parser.add_argument("--max-prompt-chars", type=_positive_int, default=None,
+                        help="answer 400 for a prompt (or a rendered chat) of more characters, before tokenizing it "
+                             f"(default: {PROMPT_CHARS_PER_TOKEN} x the model's context length)")
     parser.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                         help=f"seconds running requests get to finish on SIGTERM (default: {d.shutdown_timeout:g})")
     parser.add_argument("--engine-step-timeout", type=float, default=d.engine_step_timeout,
@@ -50,6 +72,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                        max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+                        max_request_body_bytes=args.max_request_body_bytes, max_header_bytes=args.max_header_bytes,
+                        max_header_count=args.max_header_count, max_prompt_chars=args.max_prompt_chars,
+                        shutdown_timeout=args.shutdown_timeout,
                         log_stats_interval=args.log_stats_interval, chat_template=args.chat_template,
                         engine_step_timeout=args.engine_step_timeout)

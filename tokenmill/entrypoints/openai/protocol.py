@@ -19,11 +19,24 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from tokenmill.sampling_params import MAX_ABS_FREQUENCY_PRESENCE_PENALTY, MAX_ABS_LOGIT_BIAS, MAX_LOGPROBS
+
 # Stop strings per request: each is checked against every new token's text.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 1024
+# Samples per request (`n`): each is a sequence in the batch, so this bounds what one request
+# can take from everyone else; so does the bound on prompts x n of a completions request.
+MAX_N = 64
+MAX_SEQUENCES_PER_REQUEST = 256
 
 Number = StrictFloat | StrictInt
+
+
+def _documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose OpenAPI schema states what the server accepts (ranges, lengths) beyond its
+    JSON type. Documentation only: the values are checked once, by `SamplingParams` and the
+    handlers, whose 400s name the field; the schema lets clients and API fuzzers know them."""
+    return Field(default, json_schema_extra=schema)
 
 
 class RequestFieldError(ValueError):
@@ -35,8 +48,9 @@ class RequestFieldError(ValueError):
 
 
 class _Body(BaseModel):
-    # Extra fields are kept so that `check_request` can name them in its 400.
-    model_config = ConfigDict(extra="allow", strict=True)
+    # Extra fields are kept so that `check_request` can name them in its 400; the schema says
+    # what that 400 means: no field beyond the declared ones.
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
 
 
 class StreamOptions(_Body):
@@ -48,63 +62,98 @@ class _SamplingFields(_Body):
     """What completions and chat completions share."""
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    n: StrictInt = 1
+    max_tokens: StrictInt | None = _documented(minimum=1)
+    temperature: Number | None = _documented(minimum=0)
+    top_p: Number | None = _documented(exclusiveMinimum=0, maximum=1)
+    n: StrictInt = _documented(1, minimum=1, maximum=MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = _documented(
+        minLength=1, maxLength=MAX_STOP_STRING_LENGTH, items={"minLength": 1, "maxLength": MAX_STOP_STRING_LENGTH})
     seed: StrictInt | None = None
-    frequency_penalty: Number | None = None
-    presence_penalty: Number | None = None
-    logit_bias: dict[StrictStr, Number] | None = None
+    frequency_penalty: Number | None = _documented(minimum=-MAX_ABS_FREQUENCY_PRESENCE_PENALTY,
+                                                   maximum=MAX_ABS_FREQUENCY_PRESENCE_PENALTY)
+    presence_penalty: Number | None = _documented(minimum=-MAX_ABS_FREQUENCY_PRESENCE_PENALTY,
+                                                  maximum=MAX_ABS_FREQUENCY_PRESENCE_PENALTY)
+    # token id (a decimal string, below the vocabulary size) -> bias
+    logit_bias: dict[StrictStr, Number] | None = _documented(
+        propertyNames={"pattern": "^(0|[1-9][0-9]*)$"},
+        additionalProperties={"minimum": -MAX_ABS_LOGIT_BIAS, "maximum": MAX_ABS_LOGIT_BIAS})
     user: StrictStr | None = None  # ignored: an end-user id for the caller's own abuse tracking
-    # Structured output (response_format on completions and guided_* as in vLLM)
-    response_format: dict[str, Any] | None = None
+    # Structured output (response_format on completions and guided_* as in vLLM); one at most
+    response_format: dict[str, Any] | None = _documented(
+        required=["type"], properties={"type": {"enum": ["text", "json_object"]}}, additionalProperties=False)
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
+    guided_choice: list[StrictStr] | None = _documented(minItems=1, items={"minLength": 1})
     guided_grammar: StrictStr | None = None
     guided_decoding_backend: StrictStr | None = None  # ignored: there is one grammar engine
     # Extensions (as in vLLM): sent by the openai client through `extra_body`.
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    repetition_penalty: Number | None = None
-    min_tokens: StrictInt = 0
+    top_k: StrictInt | None = _documented(minimum=-1)
+    min_p: Number | None = _documented(minimum=0, maximum=1)
+    repetition_penalty: Number | None = _documented(exclusiveMinimum=0)
+    min_tokens: StrictInt = _documented(0, minimum=0)  # at most max_tokens
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = _documented(items={"minimum": 0})
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
 
 
+_TOKEN_ID = {"type": "integer", "minimum": 0}
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    # text, texts, token ids or lists of token ids; never empty; at most MAX_SEQUENCES_PER_REQUEST / n prompts
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+        json_schema_extra={"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "maxItems": MAX_SEQUENCES_PER_REQUEST,
+             "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": _TOKEN_ID},
+            {"type": "array", "minItems": 1, "maxItems": MAX_SEQUENCES_PER_REQUEST,
+             "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID}},
+        ]})
+    max_tokens: StrictInt | None = _documented(16, minimum=0)  # 0 only with echo
+    logprobs: StrictInt | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     echo: StrictBool = False
-    suffix: StrictStr | None = None  # refused unless empty
+    suffix: StrictStr | None = _documented(maxLength=0)  # refused unless empty
     best_of: StrictInt | None = None  # refused unless equal to n
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict[str, Any]] | None = None
+    content: StrictStr | list[dict[str, Any]] | None = _documented(items=_TEXT_PART)  # text parts only
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
     tool_call_id: StrictStr | None = None  # tool turns: the call they answer
 
 
+_TOOL = {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = _documented(minimum=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
-    modalities: list[StrictStr] | None = None  # only ["text"]
-    store: StrictBool | None = None  # only false: nothing is stored
+    top_logprobs: StrictInt | None = _documented(minimum=0, maximum=MAX_LOGPROBS)  # with logprobs true
+    tools: list[dict[str, Any]] | None = _documented(minItems=1, items=_TOOL)  # where the chat template supports them
+    tool_choice: StrictStr | dict[str, Any] | None = _documented(anyOf=[  # with tools
+        {"enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}}}}},
+        {"type": "null"}])
+    parallel_tool_calls: StrictBool | None = None  # with tools
+    modalities: list[StrictStr] | None = _documented(minItems=1, maxItems=1, items={"const": "text"})  # only ["text"]
+    store: StrictBool | None = _documented(enum=[False, None])  # only false: nothing is stored
     # Ignored: bookkeeping and routing hints that change nothing about the answer.
     metadata: dict[str, StrictStr] | None = None
     service_tier: StrictStr | None = None
@@ -123,7 +172,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: list[StrictInt] = Field(json_schema_extra={"items": _TOKEN_ID})  # below the vocabulary size
 
 
 # Declared fields tokenmill accepts and does not act on, per request model (the README lists them).

@@ -14,6 +14,8 @@ from tokenmill.engine.llm_engine import InvalidPromptError, LLMEngine
 from tokenmill.entrypoints.openai.chat import ChatTemplate, ChoiceText, whole_message
 from tokenmill.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (
+    MAX_N,
+    MAX_SEQUENCES_PER_REQUEST,
     MAX_STOP_STRING_LENGTH,
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,10 +26,6 @@ from tokenmill.entrypoints.openai.structured_output import Constraint, build, co
 from tokenmill.entrypoints.openai.tool_calls import ToolChoice, check_tools, forced_call_schema
 from tokenmill.outputs import RequestOutput, TokenLogprob
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
-
-# Samples per request (`n`): each is a sequence in the batch, so this bounds what one request
-# can take from everyone else.
-MAX_N = 64
 
 
 class ClientDisconnected(Exception):
@@ -56,11 +54,12 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, engine: LLMEngine, model_name: str, metrics: ServerMetrics,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, max_prompt_chars: int | None = None):
         self.llm = llm
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.max_prompt_chars = max_prompt_chars  # None: no limit before tokenizing
         self.chat_template = ChatTemplate(engine.tokenizer, chat_template, engine.model_path.name)
 
     # -- request -> sampling params ---------------------------------------------------------------
@@ -95,6 +94,14 @@ class OpenAIServing:
             structured_output=constraint.params if constraint is not None else None,
         )
 
+    def check_prompt_length(self, text: str, param: str) -> None:
+        """A 400 for prompt text too long to be worth tokenizing (--max-prompt-chars): the
+        tokenizer runs on the event loop, and such a prompt could not fit the context anyway."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{param}: the prompt has {len(text)} characters; at most {self.max_prompt_chars} "
+                                f"are allowed (the model's maximum context length is {self.engine.max_model_len} "
+                                f"tokens)", param=param)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
@@ -110,6 +117,12 @@ class OpenAIServing:
         constraint = constraint_of(req)
         params = self.sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs, echo_logprobs, constraint)
         prompts = _prompt_list(req.prompt)
+        if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n), "
+                                f"got {len(prompts)} prompts x n={req.n}", param="prompt")
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self.check_prompt_length(prompt, "prompt" if isinstance(req.prompt, str) else f"prompt.{i}")
         base = completion_id("cmpl")
         jobs = []
         for i, prompt in enumerate(prompts):
@@ -205,6 +218,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, constraint=constraint)
         prompt = self.chat_template.render(req.messages, tool_choice)
+        self.check_prompt_length(prompt, "messages")
         base = completion_id("chatcmpl")
         jobs = [_Job(base, prompt, 0)]
         try:

@@ -95,7 +95,8 @@ def check_tools(tools: list[dict] | None, tool_choice: str | dict | None) -> Too
     if tool_choice == "required":
         return ToolChoice("forced", tools, names)
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise ToolError("tool_choice", 'tool_choice must be "none", "auto", "required" or '
                                            '{"type": "function", "function": {"name": ...}}')
