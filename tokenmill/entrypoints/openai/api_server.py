@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -519,4 +520,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
                                h11_max_incomplete_event_size=config.max_header_bytes + HEAD_SLACK_BYTES)
     server = _DrainingServer(uv_config, app.state.server, config.shutdown_timeout)
     server.run()
-    return server.exit_code
+    if server.exit_code:
+        # The engine thread may still be stuck inside a step: finalizing the interpreter around it
+        # can abort the process (a C++ thread destroyed while running), so leave at once.
+        logging.shutdown()
+        os._exit(server.exit_code)
+    return 0
