@@ -28,7 +28,7 @@ NUM_CLIENTS = 100
 MAX_TOKENS = 150  # never reached: clients hang up within 1 s or HOG_EVENTS events
 # The first clients of a round read this many events before they hang up: together they need more
 # KV blocks than the cache has, so every round preempts (the others mostly leave too early to).
-NUM_HOGS, HOG_EVENTS = 8, 24
+NUM_HOGS, HOG_EVENTS = 8, 16
 SHARED = "Answer in one short paragraph. "
 TOPICS = ["the tides", "bread", "rain", "prime numbers", "the moon", "glass", "rivers", "owls"]
 
