@@ -56,7 +56,7 @@ def cut_prompts(text_ids: list[int], count: int, length: int) -> list[list[int]]
 
 # -- tokenmill configs ----------------------------------------------------------------------------
 
-CONFIG_NAMES = ("bf16", "int8", "int4")
+CONFIG_NAMES = ("bf16", "int8", "int4", "auto")
 
 
 # A config name with this suffix runs without tokenmill's compiled CPU kernels (cpu_kernels=False).
@@ -85,11 +85,12 @@ def parse_configs(text: str) -> list[str]:
 
 
 def config_kwargs(name: str, dtype: str) -> dict:
-    """`LLM` keyword arguments of a named config: bf16 -> dtype `dtype` (bfloat16 unless overridden),
-    int8 / int4 -> weight-only quantization of the linears (compute dtype: the engine's default);
-    NAME-torchops -> the same with PyTorch ops only (no compiled CPU kernels)."""
+    """`LLM` keyword arguments of a named config: bf16 -> dense weights in dtype `dtype` (bfloat16
+    unless overridden), int8 / int4 -> weight-only quantization of the linears, auto -> the
+    checkpoint's weights as stored (a GGUF file's own int4 codes; compute dtype: the engine's
+    default); NAME-torchops -> the same with PyTorch ops only (no compiled CPU kernels)."""
     base = config_base(name)
-    kwargs = {"dtype": dtype} if base == "bf16" else {"quantization": base}
+    kwargs = {"dtype": dtype, "quantization": "none"} if base == "bf16" else {"quantization": base}
     if name.endswith(TORCH_OPS_SUFFIX):
         kwargs["cpu_kernels"] = False
     return kwargs
@@ -448,6 +449,8 @@ def tensor_bytes(model) -> dict:
     import torch
     from torch import nn
 
+    from tokenmill.layers.embedding import Int4Embedding
+
     storages: dict[object, list] = {}  # storage key -> [bytes, read in full per token]
     for module_name, module in model.named_modules():
         tensors = [*module._parameters.items(), *module._buffers.items()]
@@ -463,7 +466,7 @@ def tensor_bytes(model) -> dict:
                 key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
             except (RuntimeError, NotImplementedError):  # an opaque layout without a plain storage
                 key, nbytes = id(t), t.numel() * t.element_size()
-            lookup_only = (isinstance(module, nn.Embedding) or "rotary" in module_name
+            lookup_only = (isinstance(module, (nn.Embedding, Int4Embedding)) or "rotary" in module_name
                            or attr.endswith(("cos_cache", "sin_cache")) or attr in many_rows_only)
             entry = storages.setdefault(key, [nbytes, False])
             entry[1] = entry[1] or not lookup_only

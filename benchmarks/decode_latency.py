@@ -2,8 +2,8 @@
 """Batch-1 decode speed: tokenmill (bf16 / int8 / int4 weights) vs Hugging Face `generate` (and
 llama.cpp's `llama-bench` with `--llama-bench PATH`), against the memory-bandwidth ceiling.
 
-tokenmill, per config of `--configs` (bf16 -> `LLM(model, dtype="bfloat16")`, int8 / int4 ->
-`LLM(model, quantization=...)`), loaded one at a time (each deleted before the next): a warm-up
+tokenmill, per config of `--configs` (bf16 -> `LLM(model, dtype="bfloat16", quantization="none")`,
+int8 / int4 -> `LLM(model, quantization=...)`, auto -> a GGUF file's own codes), loaded one at a time (each deleted before the next): a warm-up
 request, then `--repeats` single requests of a `--prompt-len`-token prompt (token ids cut from
 GPL-3, a different slice each time, so none hits the prefix cache), `--output-len` tokens, greedy,
 EOS ignored. Decode tok/s = (n_out - 1) / (last_token_time - first_token_time) from the request
@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=d.model, help="model alias or path (.gguf file or HF directory)")
     p.add_argument("--configs", default="bf16,int8,int4",
                    help=f"tokenmill configs, comma-separated, from {','.join(CONFIG_NAMES)}: bf16 = dtype --dtype, "
-                        "int8/int4 = weight-only quantized linears (the engine's default compute dtype); a name ending "
+                        "int8/int4 = weight-only quantized linears, auto = the checkpoint's weights as stored (a GGUF "
+                        "file's Q4 codes as int4; the engine's default compute dtype); a name ending "
                         f"in {TORCH_OPS_SUFFIX} (e.g. int4{TORCH_OPS_SUFFIX}) runs without tokenmill's compiled CPU kernels, "
                         f"one in {PY_LAYERS_SUFFIX} with them but its decode steps through the Python decoder layers "
                         "instead of the compiled DecoderStack")

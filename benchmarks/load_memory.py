@@ -8,7 +8,7 @@ load time. The ratio is (peak - before) / weights: what loading costs beyond the
 leaves behind.
 
     python benchmarks/load_memory.py                                    # the default model
-    python benchmarks/load_memory.py --model path/to/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --configs bf16,int4
+    python benchmarks/load_memory.py --model path/to/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --configs bf16,int4,auto
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def measure(model: str, name: str, dtype: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias or path (.gguf file or HF directory)")
-    parser.add_argument("--configs", default="bf16,int8,int4", help="comma-separated: bf16, int8, int4")
+    parser.add_argument("--configs", default="bf16,int8,int4,auto",
+                        help="comma-separated: bf16 (dense), int8, int4 (quantized on load), auto (as stored: a GGUF "
+                             "file's own int4 codes)")
     parser.add_argument("--dtype", default="auto", help="compute dtype for every config (auto, bfloat16, float32)")
     parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help="JSON report path")
     args = parser.parse_args()

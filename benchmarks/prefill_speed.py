@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=d.model, help="model alias or path (.gguf file or HF directory)")
     p.add_argument("--configs", default="bf16",
                    help=f"tokenmill configs, comma-separated, from {','.join(CONFIG_NAMES)}: bf16 = dtype --dtype, "
-                        "int8/int4 = weight-only quantized linears (the engine's default compute dtype)")
+                        "int8/int4 = weight-only quantized linears, auto = the checkpoint's weights as stored (the "
+                        "engine's default compute dtype)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="compute dtype of the bf16 config line (float32 to measure fp32 instead)")
     p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (cut from the GPL-3 text)")

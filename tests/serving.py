@@ -19,8 +19,8 @@ import httpx
 
 MODEL = "smollm2-135m"  # served by its alias, as users do
 # The server under test runs in fp32 so that greedy output does not depend on batch shape.
-BASE_FLAGS = ["--dtype", "float32", "--kv-cache-memory-gb", "0.25", "--max-num-batched-tokens", "256",
-              "--log-stats-interval", "0"]
+BASE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-gb", "0.25",
+              "--max-num-batched-tokens", "256", "--log-stats-interval", "0"]
 
 
 def free_port() -> int:

@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # tokenmill.layers.attention.make_backend builds them
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "fp8")  # tokenmill.layers.linear implements them
+QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATION_METHODS)
 INT4_GROUP_SIZES = (32, 64, 128)
 # How the quantized weights are chosen: round-to-nearest, or calibrated on data (tokenmill.quantization).
 QUANTIZATION_ALGORITHMS = {"rtn": QUANTIZATION_METHODS, "awq": ("int4",), "gptq": ("int4",), "smoothquant": ("w8a8",)}
@@ -58,13 +59,15 @@ class EngineConfig:
     # (capped by the TOKENMILL_CPU_ISA environment variable when set). A level above the
     # host's is an error, a lower one runs that level's code (to measure it on a bigger CPU).
     cpu_isa: str = "auto"
-    # Quantization of the linear layers on load: None (the dtype's weights), "int8" (weight-only,
-    # per output channel), "int4" (weight-only, asymmetric, groups of quantization_group_size
-    # input channels), "w8a8" (int8 weights and per-token int8 activations, int8 matmul) or
-    # "fp8" (E4M3 weights; E4M3 activations on GPUs with FP8 tensor cores). The LM head is
-    # weight-only int8 in all of them. A checkpoint written by `tokenmill quantize` is
-    # already quantized (leave this None).
-    quantization: str | None = None
+    # Quantization of the linear layers on load: "auto" (a GGUF file's quantized tensors as
+    # stored: Q4_0/Q4_1/Q4_K repacked into int4, wider types int8, models/gguf_blocks.py; any
+    # other checkpoint as stored), "none" or None (the dtype's weights, a GGUF file's
+    # dequantized), "int8" (weight-only, per output channel), "int4" (weight-only, asymmetric,
+    # groups of quantization_group_size input channels), "w8a8" (int8 weights and per-token int8
+    # activations, int8 matmul) or "fp8" (E4M3 weights; E4M3 activations on GPUs with FP8 tensor
+    # cores). The LM head is weight-only int8 in the last four. A checkpoint written by
+    # `tokenmill quantize` is already quantized (leave this "auto").
+    quantization: str | None = "auto"
     quantization_group_size: int = 32
     # How the codes are chosen: "rtn" (round-to-nearest) or calibrated on
     # calibration_samples windows of calibration_seq_len tokens of `calibration` ("gsm8k",
@@ -137,8 +140,8 @@ class EngineConfig:
             raise ConfigError("cpu_isa", f"must be 'auto' or one of {ISA_LEVELS}, got {self.cpu_isa!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ConfigError("quantization", f"must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ConfigError("quantization", f"must be one of {QUANTIZATION_CHOICES} or None, got {self.quantization!r}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ConfigError("quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.quantization_group_size!r}")
         if self.quantization_algorithm not in QUANTIZATION_ALGORITHMS:

@@ -11,7 +11,7 @@ import os
 
 from tokenmill.config import (
     ATTENTION_BACKENDS, CPU_KV_CACHE_MEMORY_GB, DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS,
-    QUANTIZATION_METHODS, SPECULATIVE_METHODS,
+    QUANTIZATION_CHOICES, SPECULATIVE_METHODS,
     EngineConfig,
 )
 from tokenmill.engine.faults import FAULT_ENV
@@ -46,12 +46,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "activations times int8/int4 weights), avx512 (x86-64-v4), avx512_bf16 (bf16 dot products); "
                              "a lower level than the host's runs that level's code. auto = the host's, capped by the "
                              "TOKENMILL_CPU_ISA environment variable (default: auto)")
-    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
-                        help="quantize the linear layers on load: int8 (weight-only, per output channel), int4 "
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=d.quantization,
+                        help="the linear layers' weight format: auto = as the checkpoint stores them (a GGUF file's "
+                             "Q4_0/Q4_1/Q4_K tensors as int4 with the file's own scales, wider types such as Q6_K/Q8_0 as "
+                             "int8, float tensors dense; a Hugging Face checkpoint dense); none = dense in --dtype (a "
+                             "GGUF file dequantized); or quantize on load: int8 (weight-only, per output channel), int4 "
                              "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "
-                             "activations), fp8 (E4M3 weights; on CPU a storage format); the LM head is weight-only int8 "
-                             "in all. Not for a checkpoint from `tokenmill quantize`, which is already quantized "
-                             "(default: none)")
+                             "activations), fp8 (E4M3 weights; on CPU a storage format), the LM head weight-only int8 in "
+                             "these four. A checkpoint from `tokenmill quantize` is already quantized: leave it auto "
+                             f"(default: {d.quantization})")
     parser.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=d.quantization_group_size,
                         help="input channels per int4 scale/zero group; a layer it does not divide takes the largest of "
                              f"64, 32 that does (default: {d.quantization_group_size})")

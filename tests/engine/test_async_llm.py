@@ -23,8 +23,8 @@ PROMPTS = [f"The quick brown fox jumps over the lazy dog near the river bank. It
 
 
 def test_small_cache_under_load_completes_everything_and_shows_it_in_metrics(default_model_path):
-    expected = [o.outputs[0].token_ids for o in LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25).generate(PROMPTS, PARAMS)]
-    config = EngineConfig(model=str(default_model_path), dtype="float32", num_kv_blocks=6, num_host_kv_blocks=3,
+    expected = [o.outputs[0].token_ids for o in LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25).generate(PROMPTS, PARAMS)]
+    config = EngineConfig(model=str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=6, num_host_kv_blocks=3,
                           max_num_batched_tokens=64)
 
     async def serve():

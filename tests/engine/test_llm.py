@@ -26,7 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(default_model_path):
-    return LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
+    return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_inflight_batch_matches_one_at_a_time(llm, reference):
 
 def test_preemption_leaves_greedy_and_seeded_outputs_unchanged(default_model_path, llm, reference):
     # 10 blocks of 16 tokens cannot hold six requests of ~40 tokens + 24 outputs (3-4 blocks each).
-    small = LLM(str(default_model_path), dtype="float32", num_kv_blocks=10, max_num_batched_tokens=64)
+    small = LLM(str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=10, max_num_batched_tokens=64)
     outs = small.generate(PROMPTS, GREEDY)
     assert small.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS]

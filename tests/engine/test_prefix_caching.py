@@ -32,12 +32,12 @@ def workload(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def uncached(default_model_path):
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, enable_prefix_caching=False)
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, enable_prefix_caching=False)
     return workload(llm)
 
 
 def test_prefix_caching_changes_no_output(default_model_path, uncached):
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25)
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25)
     assert workload(llm) == uncached
     kv = llm.engine.core.kv_cache_manager
     # The system prompt (~100 tokens) is computed once for six questions, and later turns reuse
@@ -48,7 +48,7 @@ def test_prefix_caching_changes_no_output(default_model_path, uncached):
 def test_too_small_a_cache_swaps_and_recomputes_without_changing_output(default_model_path, uncached):
     # 14 blocks x 16 tokens cannot hold six ~160-token conversations at once; 12 host blocks hold
     # some of the preempted ones, the rest are recomputed.
-    llm = LLM(str(default_model_path), dtype="float32", num_kv_blocks=14, num_host_kv_blocks=12,
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=14, num_host_kv_blocks=12,
               max_num_batched_tokens=128)
     assert workload(llm) == uncached
     core = llm.engine.core
@@ -57,7 +57,7 @@ def test_too_small_a_cache_swaps_and_recomputes_without_changing_output(default_
 
 
 def test_swap_round_trip_restores_block_contents(default_model_path):
-    llm = LLM(str(default_model_path), dtype="float32", num_kv_blocks=8, num_host_kv_blocks=4)
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=8, num_host_kv_blocks=4)
     runner = llm.engine.core.runner
     torch.manual_seed(0)
     for k, v in runner.kv_caches:
@@ -75,7 +75,7 @@ def test_swap_round_trip_restores_block_contents(default_model_path):
 
 
 def test_n_samples_fork_the_prompt_and_sample_as_if_alone(default_model_path):
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, enable_prefix_caching=False)
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, enable_prefix_caching=False)
     prompt = SYSTEM + "Question: when does the library open on Saturdays? Answer:"
     greedy = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
     assert [c.token_ids for c in llm.generate(prompt, SamplingParams(n=3, temperature=0.0, max_tokens=16,

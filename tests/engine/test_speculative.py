@@ -33,12 +33,12 @@ def greedy(max_tokens, **kw):
 
 @pytest.fixture(scope="module")
 def plain(default_model_path):
-    return LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
+    return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
 
 
 @pytest.fixture(scope="module")
 def spec(default_model_path):
-    return LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
+    return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_concurrent_mixed_lengths_are_token_identical(spec, reference):
 
 
 def test_too_small_kv_cache_preempts_and_stays_token_identical(default_model_path, reference):
-    small = LLM(str(default_model_path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=64, **SPEC)
+    small = LLM(str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=7, max_num_batched_tokens=64, **SPEC)
     outs = small.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     core = small.engine.core
     assert core.scheduler.num_preemptions > 0 and core.scheduler.num_spec_accepted_tokens > 0
@@ -139,7 +139,7 @@ def test_32_prompts_alone_and_together_in_shuffled_order_are_token_identical(spe
 
 def test_draft_model_self_draft_is_token_identical_and_always_accepted(default_model_path, reference):
     """The default model as its own draft: q == p, so every draft must be accepted."""
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
               speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3, speculative_max_running=8)
     outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -156,7 +156,7 @@ def test_draft_model_catches_up_when_speculation_resumes(default_model_path, ref
     """Above the threshold (5 requests running, speculative_max_running=2) the draft model is
     skipped; once three have finished, the two left catch up on the draft K/V they missed and
     speculate for the rest of their output, every self-draft accepted and the output unchanged."""
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
               speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3,
               speculative_max_running=2)
     outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
@@ -171,7 +171,7 @@ def test_draft_model_catches_up_when_speculation_resumes(default_model_path, ref
 def test_unrelated_draft_model_with_a_small_kv_cache_is_token_identical(default_model_path, tiny_qwen2_dir):
     """A tiny random Qwen2 with the same tokenizer drafts badly: most drafts are rejected and
     rolled back, in both KV caches, while requests are preempted; the output must not change."""
-    kw = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64)
+    kw = dict(dtype="float32", quantization="none", max_model_len=512, max_num_batched_tokens=64)
     plain = LLM(str(default_model_path), num_kv_blocks=64, **kw)
     refs = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
     del plain
@@ -197,7 +197,7 @@ def test_draft_model_with_another_vocabulary_is_refused(default_model_path, tmp_
     LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="draft_model.*vocabulary"):
-        LLM(str(default_model_path), dtype="float32", speculative_method="draft", draft_model=str(tmp_path))
+        LLM(str(default_model_path), dtype="float32", quantization="none", speculative_method="draft", draft_model=str(tmp_path))
 
 
 @pytest.mark.skipif(not (os.environ.get("TOKENMILL_QWEN_DRAFT") and os.environ.get("TOKENMILL_QWEN_TARGET")),
@@ -207,10 +207,10 @@ def test_qwen_coder_draft_target_pair_is_token_identical():
     draft, target = os.environ["TOKENMILL_QWEN_DRAFT"], os.environ["TOKENMILL_QWEN_TARGET"]
     prompts = [PROMPTS[0], PROMPTS[3], "Write a Python function that reverses a string.\n"]
     params = [greedy(n) for n in (32, 24, 16)]
-    plain = LLM(target, dtype="float32", max_model_len=2048)
+    plain = LLM(target, dtype="float32", quantization="none", max_model_len=2048)
     refs = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     del plain
-    spec = LLM(target, dtype="float32", max_model_len=2048, num_kv_blocks=24, speculative_method="draft",
+    spec = LLM(target, dtype="float32", quantization="none", max_model_len=2048, num_kv_blocks=24, speculative_method="draft",
                draft_model=draft, num_speculative_tokens=4, speculative_max_running=8)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == refs
     assert spec.engine.core.scheduler.num_spec_accepted_tokens > 0

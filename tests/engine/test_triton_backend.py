@@ -74,6 +74,6 @@ def test_padded_static_buffer_decode_steps_are_token_identical(tiny_qwen2_dir):
 @pytest.mark.slow
 def test_default_model_token_identical_to_torch_backend(default_model_path):
     prompts, max_tokens = ["The capital of France is", "def fib(n):"], [6, 4]
-    kw = dict(dtype="float32", kv_cache_memory_gb=0.05)
+    kw = dict(dtype="float32", quantization="none", kv_cache_memory_gb=0.05)
     expected = generate(LLM(str(default_model_path), attention_backend="torch", **kw), prompts, max_tokens)
     assert generate(LLM(str(default_model_path), attention_backend="triton", **kw), prompts, max_tokens) == expected

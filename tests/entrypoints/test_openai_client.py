@@ -133,7 +133,7 @@ def test_32_concurrent_streams_match_offline(server, model_name, default_model_p
             return await asyncio.gather(*(one(c, m) for m in conversations))
 
     served = asyncio.run(all_of_them())
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.1)
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.1)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     offline = [llm.chat(m, params)[0].outputs[0].text for m in conversations]
     assert served == offline

@@ -170,7 +170,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 @pytest.mark.slow
 def test_int8_cache_holds_1_9x_the_blocks_and_answers_the_same(default_model_path):
-    engines = {kv: LLM(str(default_model_path), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_gb=0.25)
+    engines = {kv: LLM(str(default_model_path), dtype="bfloat16", quantization="none", kv_cache_dtype=kv, kv_cache_memory_gb=0.25)
                for kv in ("auto", "int8")}
     runners = {kv: llm.engine.core.runner for kv, llm in engines.items()}
     # SmolLM2-135M, 30 layers x 3 KV heads x 64: bf16 K+V 2 x 128 bytes per head and token, int8
@@ -186,7 +186,7 @@ def test_int8_cache_holds_1_9x_the_blocks_and_answers_the_same(default_model_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_swap_and_copy_on_write_move_codes_and_scales(default_model_path, kv_cache_dtype):
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=16,
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=16,
               num_host_kv_blocks=4, enable_prefix_caching=False)
     runner = llm.engine.core.runner
     torch.manual_seed(0)
@@ -227,7 +227,7 @@ def test_int8_cache_perplexity_is_close_to_full_precision(default_model_path, de
     ids = default_checkpoint.tokenizer.encode(GPL3.read_text())[: 512 * WINDOWS]
     ppl = {}
     for kv in ("auto", "int8"):
-        llm = LLM(str(default_model_path), dtype="float32", kv_cache_dtype=kv, kv_cache_memory_gb=0.1,
+        llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_dtype=kv, kv_cache_memory_gb=0.1,
                   max_num_batched_tokens=64)
         ppl[kv] = perplexity(llm, ids, window=512)
     print(f"\nGPL-3 perplexity, first {WINDOWS} windows, fp32: KV fp32 {ppl['auto']:.4f}, int8 {ppl['int8']:.4f}")

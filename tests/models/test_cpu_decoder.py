@@ -93,7 +93,7 @@ def cpu_llm(model: str, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def bf16_llm():
-    return cpu_llm("smollm2-135m", dtype="bfloat16")
+    return cpu_llm("smollm2-135m", dtype="bfloat16", quantization="none")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_bf16_steps_with_prefill_chunks(bf16_runner, seq_lens, prefill):
     ({"quantization": "int8"}, [3, 70]),  # the int8 kernel (<= 16 rows)
     ({"quantization": "int8"}, [3, 70, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),  # bf16: PyTorch's; else int8_gemm
     ({"quantization": "int8"}, list(range(1, 41))),  # int8_gemm (> 16 rows)
-    ({"kv_cache_dtype": "int8"}, [9, 130]),
+    ({"kv_cache_dtype": "int8", "quantization": "none"}, [9, 130]),
 ])
 def test_quantized_linears_and_kv_cache(options, seq_lens):
     """In the host's dtype: bf16 kernels with native bf16, else the int8-activation (few rows) and
@@ -168,7 +168,7 @@ def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):
 
 
 def test_fp32_prefills_run_the_python_layers(monkeypatch):
-    llm = cpu_llm("smollm2-135m", dtype="float32")
+    llm = cpu_llm("smollm2-135m", dtype="float32", quantization="none")
     model = llm.engine.core.runner.model
     spy = CountingStack(model.cpu_decoder)
     monkeypatch.setattr(model, "cpu_decoder", spy)

@@ -84,7 +84,10 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, arch: str, model, extra_kv=None, permute_qk=False, norm_plus_one=False, rope_freqs=None):
+def write_gguf(path, arch: str, model, extra_kv=None, permute_qk=False, norm_plus_one=False, rope_freqs=None,
+               types=None):
+    """`types`: llama.cpp's tensor name (within a layer: "attn_q.weight") -> the GGMLQuantizationType
+    it is stored as (default F32)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     c = model.config
@@ -141,7 +144,11 @@ def write_gguf(path, arch: str, model, extra_kv=None, permute_qk=False, norm_plu
             w = w.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
         if norm_plus_one and gguf_name.endswith("norm.weight"):
             w = w + 1.0
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+        qtype = (types or {}).get(gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name)
+        if qtype is not None:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -29,7 +29,7 @@ def test_gemma3_270m_greedy_matches_transformers():
     transformers = pytest.importorskip("transformers")
     path = Path(GGUF)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.2)
+    llm = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory_gb=0.2)
     assert llm.engine.core.runner.model.config.architecture == "gemma3"
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True,

@@ -49,7 +49,7 @@ def hf_fp32(default_model_path):
 
 @pytest.fixture(scope="module")
 def llm_fp32(default_model_path):
-    return LLM(str(default_model_path), dtype="float32", max_num_batched_tokens=32, kv_cache_memory_gb=0.25)
+    return LLM(str(default_model_path), dtype="float32", quantization="none", max_num_batched_tokens=32, kv_cache_memory_gb=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_bf16_logits_close_to_hf_bf16(hf_fp32, default_model_path, prompts, monk
     Ours must stay within BF16_LOGITS_ATOL of HF bf16, and its error against the fp32 reference
     must be of the same size as HF bf16's own (at most BF16_ERROR_RATIO times it)."""
     hf_bf16 = copy.deepcopy(hf_fp32).to(torch.bfloat16)
-    llm = LLM(str(default_model_path), dtype="bfloat16", max_num_batched_tokens=32, kv_cache_memory_gb=0.25)
+    llm = LLM(str(default_model_path), dtype="bfloat16", quantization="none", max_num_batched_tokens=32, kv_cache_memory_gb=0.25)
     # bf16 is emulated (slow) on CPUs without native bf16: half the prompts, fewer tokens.
     prompts, num_new = prompts[::2], 8
     runner = llm.engine.core.runner
@@ -179,7 +179,7 @@ def test_qwen25_coder_15b_fp32_greedy_is_token_identical_to_hf(monkeypatch):
     path = Path(QWEN_GGUF)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf = hf.to(DEVICE).eval()
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=64, kv_cache_memory_gb=1)
+    llm = LLM(str(path), dtype="float32", quantization="none", max_num_batched_tokens=64, kv_cache_memory_gb=1)
     text_ids = llm.tokenizer.encode(GPL3.read_text())
     prompts = [text_ids[700 * i : 700 * i + n] for i, n in enumerate([6, 40, 150, 400])]
     runner = llm.engine.core.runner

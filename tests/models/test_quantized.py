@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 WINDOWS = 4
-PPL_TOLERANCE = {"int8": 0.02, "int4": 0.02}  # relative to fp32
+PPL_TOLERANCE = {"int8": 0.02, "int4": 0.02, "auto": 0.02}  # relative to fp32
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +31,16 @@ def gpl3_ids(default_checkpoint):
 
 @pytest.fixture(scope="module")
 def fp32_perplexity(default_model_path, gpl3_ids):
-    llm = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25)
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25)
     return perplexity(llm, gpl3_ids, window=512)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "auto"])
 def test_quantized_perplexity_is_close_to_fp32(default_model_path, gpl3_ids, fp32_perplexity, quantization):
+    """auto: the file's Q4_1 codes repacked, its Q8_0 embedding as the int8 head."""
     llm = LLM(str(default_model_path), quantization=quantization, kv_cache_memory_gb=0.25)
     model = llm.engine.core.runner.model
-    body = {"int8": Int8Linear, "int4": Int4Linear}[quantization]
+    body = {"int8": Int8Linear, "int4": Int4Linear, "auto": Int4Linear}[quantization]
     assert isinstance(model.layers[0].mlp.gate_up_proj, body)
     assert isinstance(model.lm_head, Int8Linear)
     ours = perplexity(llm, gpl3_ids, window=512)
@@ -53,7 +54,7 @@ def test_quantized_perplexity_is_close_to_fp32(default_model_path, gpl3_ids, fp3
 
 
 def test_unquantized_engine_uses_dense_linears(default_model_path):
-    llm = LLM(str(default_model_path), kv_cache_memory_gb=0.25)
+    llm = LLM(str(default_model_path), quantization="none", kv_cache_memory_gb=0.25)
     model = llm.engine.core.runner.model
     assert all(not isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
     assert isinstance(model.lm_head, DenseLinear)

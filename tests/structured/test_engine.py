@@ -63,7 +63,7 @@ def assert_valid(completion, schema):
 
 @pytest.fixture(scope="module")
 def llm(default_model_path):
-    return LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
+    return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ng
 
 
 def test_ngram_speculation_is_valid_and_greedy_identical(default_model_path, reference):
-    spec = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
+    spec = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
     prompts, ref = reference
     # The prompt's example repeats the schema's keys: n-gram drafts are proposed, some of them valid.
     outs = spec.generate(prompts, constrained(json=PERSON, max_tokens=64))
@@ -162,7 +162,7 @@ def test_ngram_speculation_is_valid_and_greedy_identical(default_model_path, ref
 
 
 def test_draft_model_speculation_is_valid_and_greedy_identical(default_model_path, reference):
-    spec = LLM(str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
+    spec = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
                speculative_method="draft", draft_model=str(default_model_path), num_speculative_tokens=3,
                speculative_max_running=8)
     prompts, ref = reference
@@ -177,7 +177,7 @@ def test_draft_model_speculation_is_valid_and_greedy_identical(default_model_pat
 
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
 def test_preemption_keeps_outputs_valid_and_greedy_identical(default_model_path, reference, swap):
-    small = LLM(str(default_model_path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=64,
+    small = LLM(str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=7, max_num_batched_tokens=64,
                 num_host_kv_blocks=16 if swap else 0)
     prompts, ref = reference
     outs = small.generate(prompts, constrained(json=PERSON, max_tokens=64))
@@ -191,7 +191,7 @@ def test_preemption_keeps_outputs_valid_and_greedy_identical(default_model_path,
 
 def test_serving_engine_compiles_off_the_loop_and_refuses_a_bad_constraint(default_model_path, reference):
     prompts, ref = reference
-    config = EngineConfig(model=str(default_model_path), dtype="float32", kv_cache_memory_gb=0.25,
+    config = EngineConfig(model=str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25,
                           max_num_batched_tokens=256)
 
     async def serve():

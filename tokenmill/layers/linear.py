@@ -183,7 +183,8 @@ class Int4Linear(QuantizedLinear):
     2-3, on par at 4), from a second copy of the codes in its own layout (the weights' memory
     doubles) and (scale, min) as bf16 pairs; from INT4_GEMM_MIN_ROWS rows `kernels.int4_gemm`
     on the same copy (each panel of 32 output channels widened once to bf16 weights, then
-    vdpbf16ps over every row); in between PyTorch's kernel.
+    vdpbf16ps over every row); in between PyTorch's kernel. Where the kernels take every row
+    count (avx2, avx512: `kernel_rows`), PyTorch's copy is not made.
 
     On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
     shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
@@ -191,16 +192,17 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(self, record, bias, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
-        codes = unpack_int4(record["codes"])
         scales, mins = record["scales"], record["mins"]
-        self.in_features = codes.shape[1]
+        self.in_features = record["codes"].shape[1] * 2
         self.group_size = self.in_features // scales.shape[1]
-        # The kernels compute (code - 8) * scale + zero per group, from a [groups, N, 2] table.
+        # PyTorch's kernels compute (code - 8) * scale + zero per group, from a [groups, N, 2] table.
         zeros = mins + 8 * scales
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.kernel = None
         self.dense_weight = None  # off the CPU without tinygemm's shape: the dequantized bf16 weight
-        if codes.device.type != "cpu":
+        self.padding = 0  # zero output channels after the real ones in PyTorch's CPU layout
+        if record["codes"].device.type != "cpu":
+            codes = unpack_int4(record["codes"])
             inner_k_tiles = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
             if (codes.device.type == "cuda" and inner_k_tiles is not None and codes.shape[0] % 8 == 0
                     and self.group_size in (32, 64, 128, 256)):
@@ -211,15 +213,22 @@ class Int4Linear(QuantizedLinear):
                 sz = self.scales_and_zeros.float()
                 self.dense_weight = dequantize_int4(codes - 8, sz[..., 0].t(), sz[..., 1].t()).to(torch.bfloat16)
             return
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)):
             self.kernel = kernels
             self.kernel_max_rows, self.gemm_min_rows = kernel_rows(kernels)
-            # Each 64-code chunk as 32 bytes: byte j = code j (low nibble) | code 32 + j (high).
-            chunks = codes.view(codes.shape[0], -1, 2, 32)
-            self.kernel_codes = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).to(torch.uint8).flatten(1).contiguous()
+            self.kernel_codes = _kernel_int4_layout(record["codes"])
             self.kernel_pairs = torch.stack([scales, mins], dim=-1).to(torch.bfloat16).contiguous()
+        if self.kernel is not None and self.gemm_min_rows <= self.kernel_max_rows + 1:
+            # The kernels take every row count: PyTorch's copy of the codes would never be read.
+            self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
+        else:
+            # PyTorch's kernel takes whole tiles of 16 output channels: zero rows fill the last.
+            self.padding = -self.out_features % 16
+            codes = F.pad(record["codes"], (0, 0, 0, self.padding))
+            self.scales_and_zeros = F.pad(self.scales_and_zeros, (0, 0, 0, self.padding))
+            self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(part), 2)
+                                     for part in codes.split(_PACK_ROWS)])
 
     def _matmul(self, x):
         if self.kernel is not None and x.shape[0] <= self.kernel_max_rows:
@@ -228,15 +237,33 @@ class Int4Linear(QuantizedLinear):
             return self.kernel.int4_gemm(x.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if xb.device.type == "cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+            return y[:, : self.out_features] if self.padding else y
         if self.dense_weight is not None:
             return F.linear(xb, self.dense_weight)
         return torch.ops.aten._weight_int4pack_mm(xb.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
     def cpu_decoder_spec(self):
+        if self.padding:
+            return None
         kernel = ((self.kernel_codes, self.kernel_pairs, self.kernel_max_rows, self.gemm_min_rows)
                   if self.kernel is not None else (None, None, 0, 0))
         return ("int4", self.packed, self.scales_and_zeros, self.bias, self.input_scale, self.group_size, *kernel)
+
+
+# Rows converted at a time when laying out int4 codes (the unpacked codes are 1-4 bytes a weight).
+_PACK_ROWS = 4096
+
+
+def _kernel_int4_layout(codes: torch.Tensor) -> torch.Tensor:
+    """Record codes (uint8 [N, K/2], code 2i in byte i's low nibble) in the compiled kernels'
+    layout: each 64-code chunk as 32 bytes, byte j = code j (low nibble) | code 32 + j (high)."""
+    out = torch.empty_like(codes)
+    for start in range(0, codes.shape[0], _PACK_ROWS):
+        part = codes[start : start + _PACK_ROWS]
+        unpacked = torch.stack([part & 0xF, part >> 4], dim=-1).view(part.shape[0], -1, 2, 32)
+        out[start : start + _PACK_ROWS] = (unpacked[:, :, 0] | (unpacked[:, :, 1] << 4)).flatten(1)
+    return out
 
 
 class W8A8Linear(QuantizedLinear):

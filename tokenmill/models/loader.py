@@ -19,13 +19,16 @@ import mmap
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from tokenmill.models import gguf_blocks
+from tokenmill.models.gguf_file import GgufFile, GgufFormatError
 
 _log = logging.getLogger(__name__)
 
@@ -160,15 +163,22 @@ class LoadedCheckpoint:
     # A checkpoint written by `tokenmill quantize`: its config.json's quantization_config. Its
     # weights() are then the stored tensors as they are (tokenmill.quantization.quantize).
     quantization: dict | None = None
+    # A GGUF file's quantized tensors: Hugging Face name -> GGUF block type ("Q4_K", "Q6_K", ...).
+    stored_types: dict[str, str] = field(default_factory=dict)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor in `[out, in]` layout), one tensor at a time.
+    def weights(self, records: Mapping[str, str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
+        """(Hugging Face name, float32 tensor in `[out, in]` layout), one tensor at a time; for
+        a name in `records` (a GGUF file's quantized tensors: `stored_types`) the record of its
+        method there instead (quantization/formats.py): "int4", the file's own codes (types of
+        models.gguf_blocks.INT4_REPACKED, group size 32); "int8", requantized per output channel a
+        block of rows at a time (no float32 copy of the whole tensor).
 
         Tensors are read (and dequantized) lazily, each a fresh tensor the caller owns. Names are
         exactly those of `expected_weight_shapes(self.config)`, each once; `lm_head.weight` only
         when the head is untied. May be called again for a second pass.
         """
-        return self._read_weights()
+        return self._read_weights(dict(records or {}))
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
@@ -381,8 +391,8 @@ _DEQUANTIZE_CHUNK_BYTES = 16 << 20
 def _drop_file_pages(reader, tensor) -> None:
     """Let the kernel drop the file pages of a tensor already read (read-only, file-backed: they
     would stay resident, a whole model file by the end of loading)."""
-    mapping = getattr(reader.data, "_mmap", None)
-    if mapping is None or not hasattr(mapping, "madvise"):
+    mapping = reader.map
+    if not hasattr(mapping, "madvise"):
         return
     page = mmap.PAGESIZE
     start = tensor.data_offset // page * page
@@ -408,6 +418,23 @@ def _dequantize(gguf, tensor) -> np.ndarray:
     return out.reshape(*data.shape[:-1], first.shape[-1])
 
 
+def _int8_record(gguf, tensor_type, blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """Blocks [N, bytes per row] of a GGUF tensor as an int8 record, requantized per output
+    channel (as formats.quantize_int8) from their float32 values a chunk of rows at a time, in
+    numpy: torch's temporaries, freed on a loading thread, stay resident in glibc's arenas."""
+    rows = max(1, _DEQUANTIZE_CHUNK_BYTES // blocks.shape[1])
+    codes, scales = None, np.empty(blocks.shape[0], dtype=np.float32)
+    for start in range(0, blocks.shape[0], rows):
+        w = np.asarray(gguf.quants.dequantize(blocks[start : start + rows], tensor_type), dtype=np.float32)
+        if codes is None:
+            codes = np.empty((blocks.shape[0], w.shape[1]), dtype=np.int8)
+        s = np.maximum(np.abs(w).max(axis=1), np.float32(1e-12)) / np.float32(127)
+        w /= s[:, None]
+        codes[start : start + rows] = np.clip(np.rint(w, out=w), -127, 127)
+        scales[start : start + rows] = s
+    return {"codes": torch.from_numpy(codes), "scales": torch.from_numpy(scales)}
+
+
 def _undo_rope_permutation(rows: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: per head, rows (i, half) go back from interleaved
     order [r0, r_d/2, r1, r_d/2+1, ...] to Hugging Face's two halves [r0, r1, ..., r_d/2, ...]."""
@@ -420,9 +447,9 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted errors on truncated or foreign files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        reader = GgufFile(path)
+    except (GgufFormatError, OSError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
 
     gguf_arch = _gguf_field(reader, path, "general.architecture")
     if gguf_arch not in _GGUF_ARCHS:
@@ -463,19 +490,34 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
         else {}
     )
 
-    def read_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    stored_types = {names[0]: t.tensor_type.name for name, t in tensors.items() if (names := hf_names.get(name))
+                    and len(names) == 1 and t.tensor_type.name not in gguf_blocks.FLOAT_TYPES}
+
+    def read_weights(records: dict[str, str]) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
         for tensor in reader.tensors:
             if tensor.name not in hf_names:
                 continue
-            values = _dequantize(gguf, tensor)
             kind = tensor.name.split(".")[-2]
+            names = hf_names[tensor.name]
+            if names[0] in records:
+                blocks = tensor.data.view(np.ndarray).reshape(-1, tensor.data.shape[-1])
+                if records[names[0]] == "int4":
+                    record = gguf_blocks.int4_record(tensor.tensor_type.name, blocks)
+                else:
+                    record = _int8_record(gguf, tensor.tensor_type, blocks)
+                if kind in permuted_heads:  # every part of a record is per row
+                    record = {k: torch.from_numpy(_undo_rope_permutation(v.numpy(), permuted_heads[kind]).copy())
+                              for k, v in record.items()}
+                _drop_file_pages(reader, tensor)
+                yield names[0], record
+                continue
+            values = _dequantize(gguf, tensor)
             if kind in permuted_heads:
                 values = _undo_rope_permutation(values, permuted_heads[kind])
             if arch.norm_stored_plus_one and kind.endswith("norm"):
                 values = values - 1.0
             if np.may_share_memory(values, tensor.data):  # a view of the read-only file mapping
                 values = values.copy()
-            names = hf_names[tensor.name]
             _drop_file_pages(reader, tensor)
             if len(names) > 1:  # one slice per expert
                 for name, part in zip(names, values):
@@ -485,13 +527,14 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
             del values
 
     tokenizer = _gguf_tokenizer(path, reader)
-    return LoadedCheckpoint(source=path, config=config, tokenizer=tokenizer, _read_weights=read_weights)
+    return LoadedCheckpoint(source=path, config=config, tokenizer=tokenizer, _read_weights=read_weights,
+                            stored_types=stored_types)
 
 
 _MISSING = object()
 
 
-def _gguf_field(reader: gguf.GGUFReader, path: Path, key: str, default: Any = _MISSING) -> Any:
+def _gguf_field(reader: GgufFile, path: Path, key: str, default: Any = _MISSING) -> Any:
     field_ = reader.fields.get(key)
     if field_ is None:
         if default is _MISSING:
@@ -504,7 +547,7 @@ def _gguf_field(reader: gguf.GGUFReader, path: Path, key: str, default: Any = _M
 
 
 def _gguf_config(
-    reader: gguf.GGUFReader, path: Path, gguf_arch: str, architecture: str, tensors: dict
+    reader: GgufFile, path: Path, gguf_arch: str, architecture: str, tensors: dict
 ) -> ModelArchConfig:
     def meta(key: str, default: Any = _MISSING) -> Any:
         return _gguf_field(reader, path, key, default)
@@ -518,7 +561,7 @@ def _gguf_config(
     if rope_dim != head_dim:
         raise ModelLoadError(f"{path}: partial rotary (rope dims {rope_dim} of head_dim {head_dim}) is not supported")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens.data) if tokens is not None else meta(f"{gguf_arch}.vocab_size")
+    vocab_size = len(tokens) if tokens is not None else meta(f"{gguf_arch}.vocab_size")
     num_layers = int(meta(f"{gguf_arch}.block_count"))
     rope_scaling = _gguf_rope_scaling(path, gguf_arch, meta)
     if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama.cpp divides each frequency by its factor
@@ -600,7 +643,7 @@ def _gguf_rope_scaling(path: Path, gguf_arch: str, meta: Callable[..., Any]) -> 
     raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported (linear, yarn are)")
 
 
-def _gguf_tokenizer(path: Path, reader: gguf.GGUFReader) -> PreTrainedTokenizerBase:
+def _gguf_tokenizer(path: Path, reader: GgufFile) -> PreTrainedTokenizerBase:
     stat = path.stat()
     tokenizer = copy.deepcopy(_gguf_tokenizer_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
     if not tokenizer.chat_template:
@@ -702,7 +745,9 @@ def _load_hf_dir(directory: Path) -> LoadedCheckpoint:
     if quantization is None:
         _check_tensor_shapes(directory, config, shapes)
 
-    def read_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def read_weights(records: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+        if records:
+            raise ValueError(f"{directory}: a Hugging Face checkpoint has no GGUF blocks to repack")
         from safetensors import safe_open
 
         for file in files:

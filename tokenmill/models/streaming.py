@@ -8,18 +8,29 @@ arrived (q, k and v of a fused qkv_proj, say), it becomes its final layer (a qua
 round-to-nearest records, or a DenseLinear) on the target device, and its float32 staging is
 freed. Peak host memory is the runtime weights plus a few layers' float32 staging, never a
 float32 copy of the whole model.
+
+With quantization "auto" a GGUF file's Q4_0 / Q4_1 / Q4_K tensors arrive as int4 records of the
+file's own codes (models/gguf_blocks.py) and are staged as such, row range by row range for a
+fused layer; such a token embedding stays int4 (layers/embedding.py: Int4Embedding).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+from collections import Counter
 
 import torch
 from torch import nn
 
+from tokenmill.layers.embedding import Int4Embedding
 from tokenmill.layers.linear import DenseLinear, build_linear
-from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.models import gguf_blocks
+from tokenmill.models.loader import LoadedCheckpoint, expected_weight_shapes
 from tokenmill.quantization.formats import record_from_rtn
+from tokenmill.quantization.quantize import AUTO, LM_HEAD, ROUTER_SUFFIXES
+
+_log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -27,19 +38,39 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
                    cpu_kernels=None) -> nn.Module:
     """`build(device)` constructs the model there (models.build_model); its
     linears end quantized by round-to-nearest where `qconfig` (QuantConfig, algorithm "rtn")
-    gives them a method, else DenseLinear in `dtype`; the model ends on `device`, in eval mode."""
+    gives them a method, else DenseLinear in `dtype`; the model ends on `device`, in eval mode.
+    With method AUTO each linear is what its GGUF tensors are stored as (`_stored_methods`):
+    int4 records of the file's own codes where every tensor of the linear is Q4_0/Q4_1/Q4_K."""
     model = build("meta")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    method_of = (lambda name: None) if qconfig is None else qconfig.method_of
-    quantized = {name for name in linears if method_of(name) is not None}
-    owner = {f"{name}.{kind}": name for name in linears for kind in ("weight", "bias")}
     params = dict(model.named_parameters(remove_duplicate=False))
     embedding = "embed_tokens.weight"
     tied = model.config.tie_word_embeddings
+    # Linears whose every checkpoint tensor arrives as a record of their method (AUTO: the file's
+    # int4 codes, or int8 requantized from its blocks as they are read)
+    from_records: set[str] = set()
+    if qconfig is None:
+        method_of = lambda name: None  # noqa: E731
+    elif qconfig.method == AUTO:
+        methods, from_records = _stored_methods(model, params, checkpoint, linears)
+        method_of = methods.get
+    else:
+        method_of = qconfig.method_of
+    quantized = {name for name in linears if method_of(name) is not None}
+    owner = {f"{name}.{kind}": name for name in linears for kind in ("weight", "bias")}
     staging = _Staging()
     for name, p in params.items():
-        in_fp32 = owner.get(name) in quantized or (tied and name == embedding and "lm_head" in quantized)
+        in_fp32 = owner.get(name) in quantized - from_records or (tied and name == embedding and LM_HEAD in quantized - from_records)
         staging.declare(name, p, torch.float32 if in_fp32 else dtype)
+    # The record of each linear in from_records, filled shard by shard; "embed_tokens": the embedding's, when it
+    # stays int4 (Int4Embedding: stored as a repacked type, loaded as stored).
+    records: dict[str, dict[str, torch.Tensor]] = {}
+    record_methods = {ckpt: method_of(linear) for ckpt in checkpoint.stored_types
+                      if (place := model._placement(params, ckpt.removeprefix("model.")))
+                      and (linear := owner.get(place[0])) in from_records}
+    if qconfig is not None and qconfig.method == AUTO and \
+            checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
+        record_methods[f"model.{embedding}"] = "int4"
     expected = {name: model._expected_shards(name, p) for name, p in params.items()}
     loaded: dict[str, set] = {}
     pending = {name: [f"{name}.weight"] + ([f"{name}.bias"] if linears[name].bias is not None else [])
@@ -53,42 +84,59 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         return loaded.get(param, set()) in (expected[param], {"all"})
 
     def finish(name: str) -> None:
-        weight = staging[embedding] if tied and name == "lm_head" else staging[f"{name}.weight"]
         bias = staging[f"{name}.bias"] if linears[name].bias is not None else None
         bias = None if bias is None else bias.to(device=device, dtype=dtype)
         method = method_of(name)
-        if method is not None:
+        if name in from_records:
+            record = {k: v.to(device) for k, v in records.pop(name).items()}
+            layer = build_linear(method, record, bias, cpu_kernels)
+        elif method is not None:
+            weight = staging[embedding] if tied and name == "lm_head" else staging[f"{name}.weight"]
             record = {k: v.to(device) for k, v in _rtn_by_rows(method, weight, qconfig.group_size).items()}
             layer = build_linear(method, record, bias, cpu_kernels)
         else:
+            weight = staging[embedding] if tied and name == "lm_head" else staging[f"{name}.weight"]
             layer = DenseLinear(weight.to(device=device, dtype=dtype), bias, cpu_kernels)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         for key in pending.pop(name):
             if key != embedding:
                 staging.pop(key, None)
+            elif (staged := staging.allocated(embedding)) is not None and staged.dtype != dtype:
+                staging.replace(embedding, staged.to(dtype))  # staged in float32 for the head: the embedding's own copy now
 
     offset = model.config.norm_offset
-    for ckpt_name, tensor in checkpoint.weights():
-        name = ckpt_name.removeprefix("model.")
+
+    def place(ckpt_name: str, name: str, tensor: torch.Tensor) -> tuple[str, object] | None:
+        """Copy a checkpoint tensor into its staging: (our parameter, its shard key), or None for
+        a tensor to skip."""
         if staging.adopt(name, tensor):  # a whole float32 weight that is staged in float32: kept as it came
-            ours, shard = name, model.whole_shard(name)
-            target = tensor
+            ours, shard, target = name, model.whole_shard(name), tensor
         else:
-            place = model._placement(staging, name)
-            if place is None:
+            placement = model._placement(staging, name)
+            if placement is None:
                 if tied and name == "lm_head.weight":
-                    continue  # a saved copy of the tied embedding
+                    return None  # a saved copy of the tied embedding
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(model).__name__}")
-            ours, shard, target = place
+            ours, shard, target = placement
             if target.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}")
             target.copy_(tensor)
-        del tensor
         if offset and ours.endswith("norm.weight"):
             target.add_(offset)
-        del target
+        return ours, shard
+
+    for ckpt_name, tensor in checkpoint.weights(records=record_methods):
+        name = ckpt_name.removeprefix("model.")
+        if isinstance(tensor, dict):  # a record
+            placed = _place_record(model, params, records, name, tensor)
+        else:
+            placed = place(ckpt_name, name, tensor)
+        del tensor
+        if placed is None:
+            continue
+        ours, shard = placed
         loaded.setdefault(ours, set()).add(shard)
         linear = owner.get(ours)
         if linear in pending and all(complete(key) for key in pending[linear]):
@@ -96,6 +144,8 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     missing = sorted(n for n in expected if not complete(n))
     if missing:
         raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+    if "embed_tokens" in records:
+        model.embed_tokens = Int4Embedding({k: v.to(device) for k, v in records.pop("embed_tokens").items()}, dtype)
     # Every other parameter: its staging, in the compute dtype, on the device.
     name_of = {id(p): n for n, p in reversed(params.items())}  # (a tied one by its first name)
     for module in model.modules():
@@ -109,6 +159,60 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
                 module._buffers[key] = b.to(device)
     _return_freed_memory()
     return model.eval()
+
+
+def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint,
+                    linears: dict[str, nn.Module]) -> tuple[dict[str, str | None], set[str]]:
+    """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method; a
+    mixture of experts' router and shared-expert gate stay dense), and the linears loaded from
+    records (int8 ones, int4 ones whose every tensor is of a repacked type)."""
+    stored = checkpoint.stored_types
+    types: dict[str, list[str]] = {name: [] for name in linears}
+    for hf_name in expected_weight_shapes(checkpoint.config):
+        placement = model._placement(params, hf_name.removeprefix("model.")) if hf_name.endswith(".weight") else None
+        if placement is not None and (linear := placement[0].removesuffix(".weight")) in types:
+            types[linear].append(stored.get(hf_name, "F32"))
+    if model.config.tie_word_embeddings:
+        types[LM_HEAD] = [stored.get("model.embed_tokens.weight", "F32")]
+    methods = {name: None if name.endswith(ROUTER_SUFFIXES) else gguf_blocks.linear_method(t) for name, t in types.items()}
+    from_records = {name for name, t in types.items() if methods[name] == "int8" or (
+        methods[name] == "int4" and all(x in gguf_blocks.INT4_REPACKED for x in t))}
+    if model.config.tie_word_embeddings and methods[LM_HEAD] == "int8":
+        from_records.discard(LM_HEAD)  # the embedding is read whole, dense; the head is made from it
+    counts = Counter(methods[name] or "dense" for name in linears)
+    _log.info("%s: linear layers as stored: %s (GGUF types %s)", checkpoint.source.name,
+              ", ".join(f"{n} {m}" for m, n in sorted(counts.items())), ", ".join(sorted(set(stored.values()))))
+    return methods, from_records
+
+
+def _place_record(model: nn.Module, params: dict, records: dict, name: str,
+                  record: dict[str, torch.Tensor]) -> tuple[str, object]:
+    """Put the record of checkpoint tensor `name` where its linear's record is assembled, row range
+    by row range (an int4 embedding's: its own, and the head's when tied); returns (our
+    parameter, its shard key)."""
+    if name == "embed_tokens.weight":
+        records["embed_tokens"] = record
+        if model.config.tie_word_embeddings:
+            records[LM_HEAD] = record
+        return name, 0
+    placement = model._placement(params, name)
+    if placement is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+    ours, shard, target = placement  # target: a meta view of the rows this tensor fills
+    n, k = params[ours].shape
+    codes = record["codes"]
+    shape = (codes.shape[0], codes.shape[1] * (2 if "mins" in record else 1))  # int4 codes: two a byte
+    if shape != tuple(target.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, expected {tuple(target.shape)}")
+    linear = ours.removesuffix(".weight")
+    if codes.shape[0] == n:
+        records[linear] = record
+    else:
+        whole = records.setdefault(linear, {key: torch.empty((n, *v.shape[1:]), dtype=v.dtype) for key, v in record.items()})
+        start = target.storage_offset() // k
+        for key, v in record.items():
+            whole[key][start : start + v.shape[0]] = v
+    return ours, shard
 
 
 def _rtn_by_rows(method: str, weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
@@ -161,6 +265,15 @@ class _Staging(dict):
             return False
         self.by_id[key] = self[name] = tensor
         return True
+
+    def allocated(self, name: str) -> torch.Tensor | None:
+        """The staging of `name` if it has been allocated (without allocating it)."""
+        return dict.get(self, name)
+
+    def replace(self, name: str, tensor: torch.Tensor) -> None:
+        """Stage `tensor` for `name` (and the parameters tied to it) in place of what was."""
+        key = self.specs[name][0]
+        self.by_id[key] = self[name] = tensor
 
     def pop(self, name, default=None):
         key = self.specs[name][0]

@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,10 +31,14 @@ from tokenmill.layers.linear import DenseLinear, build_linear
 from tokenmill.quantization import calibration
 from tokenmill.quantization.formats import record_from_rtn
 
+if TYPE_CHECKING:
+    from tokenmill.models.loader import LoadedCheckpoint
+
 _log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LM_HEAD = "lm_head"
+AUTO = "auto"  # QuantConfig.method: each linear as its GGUF tensors are stored (models/gguf_blocks.py)
 ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
 
 
@@ -49,9 +54,14 @@ class QuantConfig:
     smoothquant_alpha: float | None = None
 
     @classmethod
-    def from_engine(cls, config: EngineConfig) -> QuantConfig | None:
-        if config.quantization is None:
+    def from_engine(cls, config: EngineConfig, checkpoint: LoadedCheckpoint | None = None) -> QuantConfig | None:
+        """The engine's quantization of `checkpoint`: None for dense weights (and for a checkpoint
+        that is quantized already, loaded as stored); method AUTO for a GGUF file's quantized
+        tensors as stored."""
+        if config.quantization in (None, "none"):
             return None
+        if config.quantization == AUTO:
+            return cls(method=AUTO, group_size=config.quantization_group_size) if checkpoint and checkpoint.stored_types else None
         return cls(
             method=config.quantization, group_size=config.quantization_group_size, algorithm=config.quantization_algorithm,
             calibration=config.calibration, calibration_samples=config.calibration_samples,

@@ -172,7 +172,7 @@ class ModelRunner:
                                               self.block_size, max_model_len, self.device)
 
     def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
-        qconfig = QuantConfig.from_engine(config)
+        qconfig = QuantConfig.from_engine(config, checkpoint)
 
         def build(device: str = "cpu"):
             return build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels, device)
@@ -183,7 +183,7 @@ class ModelRunner:
         if checkpoint.quantization is not None:  # written by `tokenmill quantize`
             if qconfig is not None:
                 raise ConfigError("quantization", f"{checkpoint.source} is already quantized "
-                                  f"({checkpoint.quantization.get('method')}); leave quantization unset")
+                                  f"({checkpoint.quantization.get('method')}); leave quantization auto")
             tensors, qconfig = dict(checkpoint.weights()), quant_config_from_checkpoint(checkpoint.quantization)
         else:
             # Exactly the tensors `tokenmill quantize` writes (quantized from the fp32 weights,

@@ -1,0 +1,104 @@
+"""A GGUF file's quantized tensors kept quantized (`quantization="auto"`, the default):
+Q4_0 / Q4_1 / Q4_K repacked into int4 records with the file's own codes and scales, wider
+types requantized to int8, float tensors dense (tokenmill/models/gguf_blocks.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.test_families_gguf import COMMON, random_model, write_gguf
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.embedding import Int4Embedding
+from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
+from tokenmill.models import gguf_blocks
+from tokenmill.models.loader import load_checkpoint
+from tokenmill.quantization.formats import dequantize_record
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+T = gguf.GGMLQuantizationType
+
+
+def random_q4_k_blocks(rows: int, k: int, rng) -> np.ndarray:
+    """Q4_K rows of random codes and 6-bit factors (gguf-py has no Q4_K quantizer)."""
+    blocks = rng.integers(0, 256, (rows, k // 256, 144), dtype=np.uint8)
+    for offset in (0, 2):  # d and dmin: finite fp16
+        blocks[..., offset : offset + 2] = rng.uniform(1e-3, 5e-2, (rows, k // 256, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", sorted(gguf_blocks.INT4_REPACKED))
+def test_int4_record_is_the_files_weights_exactly(type_name):
+    rng = np.random.default_rng(0)
+    if type_name == "Q4_K":
+        blocks = random_q4_k_blocks(70, 512, rng)
+    else:
+        blocks = gguf.quants.quantize(rng.standard_normal((70, 512)).astype(np.float32), T[type_name])
+    record = gguf_blocks.int4_record(type_name, blocks)
+    assert record["codes"].shape == (70, 256) and record["scales"].shape == (70, 16)
+    expected = gguf.quants.dequantize(blocks, T[type_name])
+    # Q4_0's d * (q - 8) is computed as q * d - 8 d: one rounding more
+    np.testing.assert_allclose(dequantize_record("int4", record).numpy(), expected, rtol=0, atol=1e-6)
+
+
+def test_methods_by_stored_type():
+    assert [gguf_blocks.stored_method(t) for t in ("F16", "Q4_0", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "Q8_0")] == \
+        [None, "int4", "int4", "int4", "int8", "int8", "int8"]
+    assert gguf_blocks.linear_method(["Q4_K", "Q4_K", "Q6_K"]) == "int8"  # the most precise of the shards
+    assert gguf_blocks.linear_method(["Q4_K", "F32"]) is None
+    assert gguf_blocks.linear_method(["Q4_0", "Q4_K"]) == "int4"
+
+
+def test_default_models_records_dequantize_to_its_weights(default_checkpoint):
+    """Every Q4_1 tensor of the default model (q/k rows un-permuted as llama.cpp stored them) as a
+    record equals the loader's float32 dequantization of it."""
+    names = {n for n, t in default_checkpoint.stored_types.items() if t in gguf_blocks.INT4_REPACKED}
+    assert len(names) == 210
+    records = dict(default_checkpoint.weights(records=dict.fromkeys(names, "int4")))
+    seen = 0
+    for name, tensor in default_checkpoint.weights():
+        if name in names:
+            torch.testing.assert_close(dequantize_record("int4", records[name]), tensor, rtol=0, atol=0)
+            seen += 1
+    assert seen == len(names)
+
+
+# Each kind of mapping in one file: repacked int4 (q/k rows permuted by llama.cpp), a fused layer
+# of mixed types (int8), int8 from Q8_0, and the LM head from the file's own codes.
+MIXED = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_1, "attn_v.weight": T.Q4_0, "attn_output.weight": T.Q8_0,
+         "ffn_gate.weight": T.Q4_1, "ffn_up.weight": T.Q8_0, "ffn_down.weight": T.Q4_0, "token_embd.weight": T.Q8_0,
+         "output.weight": T.Q4_1}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mixed_gguf_runs_as_stored(tmp_path, tied):
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 128, "intermediate_size": 128}), tie_word_embeddings=tied)
+    path = tmp_path / "mixed.gguf"
+    types = MIXED | ({"token_embd.weight": T.Q4_1} if tied else {})
+    write_gguf(path, "llama", random_model(config), permute_qk=True, types=types)
+    assert set(load_checkpoint(path).stored_types.values()) == {"Q4_0", "Q4_1", "Q8_0"}
+
+    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
+    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    model = auto.engine.core.runner.model
+    layer = model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.group_size == 32
+    assert isinstance(layer.self_attn.o_proj, Int8Linear)
+    assert isinstance(layer.mlp.gate_up_proj, Int8Linear)  # Q4_1 gate, Q8_0 up: the more precise
+    assert isinstance(layer.mlp.down_proj, Int4Linear)
+    assert isinstance(model.lm_head, Int4Linear)
+    # a Q4_1 embedding stays int4 (its rows dequantized per lookup); a Q8_0 one is dense
+    assert isinstance(model.embed_tokens, Int4Embedding) == tied
+    ids = torch.tensor([[3, 250], [0, 7]])
+    torch.testing.assert_close(model.embed_tokens(ids), dense.engine.core.runner.model.embed_tokens(ids), rtol=0, atol=1e-6)
+    assert all(isinstance(m, DenseLinear) for m in dense.engine.core.runner.model.modules()
+               if isinstance(m, (DenseLinear, Int4Linear, Int8Linear)))
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
+    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
+        # the same weights; the int4/int8 kernels round activations (bf16 or int8 per block)
+        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)

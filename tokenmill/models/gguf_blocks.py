@@ -1,0 +1,108 @@
+"""GGUF's quantized weights in tokenmill's weight formats (`quantization/formats.py`), without a
+detour through float32 where the block type allows it.
+
+Q4_0, Q4_1 and Q4_K hold 4-bit codes q in 0..15 and, per group of 32 weights, w = q * s + m: an
+int4 record at group size 32, exactly.
+
+| GGUF type | s | m |
+|---|---|---|
+| Q4_0 | d | -8 d |
+| Q4_1 | d | m |
+| Q4_K | d * sc_j | -dmin * m_j (sub-block j's 6-bit factors) |
+
+Those are repacked: the codes move, s and m are computed in float32 from the file's fp16 and 6-bit
+factors, and nothing is rounded. The other block types map by precision (`stored_method`): more
+than 4 bits (Q5_*, Q6_K, Q8_0, IQ4_*) onto int8 per output channel, requantized from their
+dequantized values; fewer (Q2_K, Q3_K, the IQ1-3 and ternary types) onto int4 by round-to-nearest;
+float types stay dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+INT4_REPACKED = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+BELOW_4_BITS = frozenset({"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                          "TQ1_0", "TQ2_0", "Q1_0"})
+GROUP_SIZE = 32  # of every repacked record
+
+# Rows repacked at a time (numpy's temporaries are a few times the chunk).
+_CHUNK_BYTES = 16 << 20
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+
+
+def stored_method(type_name: str) -> str | None:
+    """The tokenmill method a tensor stored as GGUF type `type_name` runs as: None (dense) for a
+    float type, "int4" for 4 bits or fewer, "int8" for more."""
+    if type_name in FLOAT_TYPES:
+        return None
+    return "int4" if type_name in INT4_REPACKED or type_name in BELOW_4_BITS else "int8"
+
+
+def linear_method(type_names: Iterable[str]) -> str | None:
+    """The method of a linear layer whose checkpoint tensors (q, k and v of a fused qkv_proj, say)
+    are stored as `type_names`: the most precise of theirs (dense > int8 > int4)."""
+    methods = {stored_method(t) for t in type_names}
+    if None in methods or not methods:
+        return None
+    return "int8" if "int8" in methods else "int4"
+
+
+def int4_record(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """The int4 record (codes uint8 [N, K/2], scales and mins float32 [N, K/32]) of a Q4_0 / Q4_1 /
+    Q4_K tensor given as its raw blocks, uint8 [N, bytes per row]."""
+    if type_name not in INT4_REPACKED:
+        raise ValueError(f"GGUF type {type_name} is not repacked into int4")
+    rows, row_bytes = blocks.shape
+    k = row_bytes // _BLOCK_BYTES[type_name] * (256 if type_name == "Q4_K" else 32)
+    codes = np.empty((rows, k // 2), dtype=np.uint8)
+    scales = np.empty((rows, k // GROUP_SIZE), dtype=np.float32)
+    mins = np.empty_like(scales)
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        part = np.ascontiguousarray(blocks[start : start + step])
+        q, s, m = _UNPACK[type_name](part)
+        q = q.reshape(part.shape[0], k)
+        codes[start : start + step] = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # formats.pack_int4's layout
+        scales[start : start + step] = s.reshape(part.shape[0], -1)
+        mins[start : start + step] = m.reshape(part.shape[0], -1)
+    return {"codes": torch.from_numpy(codes), "scales": torch.from_numpy(scales), "mins": torch.from_numpy(mins)}
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes of a 32-weight group -> [..., 32] codes: low nibbles first, then high."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _q4_0(blocks: np.ndarray):
+    b = blocks.reshape(blocks.shape[0], -1, 18)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    return _nibbles(b[..., 2:]), d, -8 * d
+
+
+def _q4_1(blocks: np.ndarray):
+    b = blocks.reshape(blocks.shape[0], -1, 20)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    return _nibbles(b[..., 4:]), d, m
+
+
+def _q4_k(blocks: np.ndarray):
+    from gguf.quants import Q4_K
+
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, 144)  # one super-block of 256 weights, 8 sub-blocks of 32, a row
+    d = np.ascontiguousarray(b[:, :2]).view(np.float16).astype(np.float32)
+    dmin = np.ascontiguousarray(b[:, 2:4]).view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    # 4 chunks of 32 bytes: chunk j's low nibbles are sub-block 2j, its high nibbles 2j + 1
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(0x0F)).reshape(rows, -1)
+    return q, (d * sc.astype(np.float32)).reshape(rows, -1), -(dmin * m.astype(np.float32)).reshape(rows, -1)
+
+
+_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
