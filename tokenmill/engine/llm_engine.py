@@ -263,15 +263,23 @@ class LLMEngine:
     def _process(sample: _Sample, out: EngineCoreOutput) -> bool:
         """Fold one core output into the sample's completion. True if a stop string ended it."""
         c = sample.completion
-        c.token_ids.extend(out.new_token_ids)
-        c.delta_token_ids.extend(out.new_token_ids)
+        # Several tokens arrive at once with speculative decoding: they are fed one at a time,
+        # so that a stop string ends the output at the token it would have ended it at without
+        # speculation (the tokens after it are dropped: not in the output, usage or logprobs).
+        new_ids, stop_string = out.new_token_ids, None
+        for i, token_id in enumerate(out.new_token_ids):
+            stop_string = sample.detokenizer.update([token_id])
+            if stop_string is not None:
+                new_ids = out.new_token_ids[: i + 1]
+                break
+        c.token_ids.extend(new_ids)
+        c.delta_token_ids.extend(new_ids)
         c.num_draft_tokens += out.num_draft_tokens
         c.num_accepted_tokens += out.num_accepted_tokens
         if c.logprobs is not None and out.new_logprobs is not None:
-            for token_id, logprob, top in zip(out.new_token_ids, out.new_logprobs, out.new_top_logprobs or []):
+            for token_id, logprob, top in zip(new_ids, out.new_logprobs, out.new_top_logprobs or []):
                 c.logprobs.append(TokenLogprob(token_id, logprob, top))
                 c.cumulative_logprob += logprob
-        stop_string = sample.detokenizer.update(out.new_token_ids)
         finished = out.finished or stop_string is not None
         c.delta_text += sample.detokenizer.take_delta()
         if finished:
