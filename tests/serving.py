@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "smollm2-135m"  # served by its alias, as users do
 # The server under test runs in fp32 so that greedy output does not depend on batch shape.
@@ -72,3 +73,15 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Every sample of a server's /metrics, keyed `name` or `name{label=value}` (model_name
+    dropped: one model per server)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples

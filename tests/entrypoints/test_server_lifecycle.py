@@ -8,23 +8,12 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import BASE_FLAGS, MODEL, ServerProcess
+from tests.serving import scrape_metrics as metrics  # (one name for both files' many calls)
 
 pytestmark = pytest.mark.slow
 
-
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, keyed `name` or `name{label=value}` (model_name dropped: one
-    model per server)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

@@ -18,9 +18,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import BASE_FLAGS, MODEL, ServerProcess
+from tests.serving import scrape_metrics as metrics  # (one name for both files' many calls)
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,6 @@ NUM_HOGS, HOG_EVENTS = 8, 16
 SHARED = "Answer in one short paragraph. "
 TOPICS = ["the tides", "bread", "rain", "prime numbers", "the moon", "glass", "rivers", "owls"]
 
-
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, keyed `name` or `name{label=value}` (model_name dropped)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:

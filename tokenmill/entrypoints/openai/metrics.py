@@ -49,23 +49,22 @@ class ServerMetrics:
         self.finished = lambda reason: self._finished.labels(model_name, reason)
         for reason in ("stop", "length", "abort"):
             self.finished(reason)  # present from the start, at 0
-        Gauge("tokenmill_num_requests_running", "Sequences in the running batch", labels,
-              registry=r).labels(model_name).set_function(lambda: llm.stats.num_running)
-        Gauge("tokenmill_num_requests_waiting", "Sequences waiting to be scheduled", labels,
-              registry=r).labels(model_name).set_function(lambda: llm.stats.num_waiting)
-        Gauge("tokenmill_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", labels,
-              registry=r).labels(model_name).set_function(lambda: llm.stats.kv_cache_usage)
-        # Exact block counts: an idle server has all of its blocks free (a leak shows here).
-        Gauge("tokenmill_kv_cache_free_blocks", "KV-cache blocks free (cached prefixes included)", labels,
-              registry=r).labels(model_name).set_function(lambda: llm.stats.num_free_blocks)
-        Gauge("tokenmill_kv_cache_blocks", "KV-cache blocks in all", labels,
-              registry=r).labels(model_name).set_function(lambda: llm.stats.num_blocks)
-        Gauge("tokenmill_kv_cache_free_host_blocks", "Host blocks for swapping that are free", labels,
-              registry=r).labels(model_name).set_function(lambda: llm.stats.num_free_host_blocks)
-        Gauge("tokenmill_kv_cache_host_blocks", "Host blocks for swapping in all", labels,
-              registry=r).labels(model_name).set_function(lambda: llm.stats.num_host_blocks)
-        Gauge("tokenmill_num_requests_open", "Engine requests the server holds a stream for (accepted, not yet "
-              "finished or released)", labels, registry=r).labels(model_name).set_function(lambda: llm.num_unfinished)
+        gauges = [
+            ("tokenmill_num_requests_running", "Sequences in the running batch", lambda: llm.stats.num_running),
+            ("tokenmill_num_requests_waiting", "Sequences waiting to be scheduled", lambda: llm.stats.num_waiting),
+            ("tokenmill_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", lambda: llm.stats.kv_cache_usage),
+            # Exact block counts: an idle server has all of its blocks free (a leak shows here).
+            ("tokenmill_kv_cache_free_blocks", "KV-cache blocks free (cached prefixes included)",
+             lambda: llm.stats.num_free_blocks),
+            ("tokenmill_kv_cache_blocks", "KV-cache blocks in all", lambda: llm.stats.num_blocks),
+            ("tokenmill_kv_cache_free_host_blocks", "Host blocks for swapping that are free",
+             lambda: llm.stats.num_free_host_blocks),
+            ("tokenmill_kv_cache_host_blocks", "Host blocks for swapping in all", lambda: llm.stats.num_host_blocks),
+            ("tokenmill_num_requests_open", "Engine requests the server holds a stream for (accepted, not yet "
+             "finished or released)", lambda: llm.num_unfinished),
+        ]
+        for name, help_text, read in gauges:
+            Gauge(name, help_text, labels, registry=r).labels(model_name).set_function(read)
         r.register(_EngineCounters(llm, model_name))
 
 
