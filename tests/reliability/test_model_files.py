@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.models.test_families_gguf import COMMON, random_model, write_gguf
+from tokenmill.models.gguf_file import GgufFile
 from tokenmill.models.loader import ModelLoadError, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -29,12 +30,23 @@ TOKENMILL = Path(__file__).resolve().parents[2] / "tokenmill"
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> bytes:
+def tiny_gguf_path(tmp_path_factory) -> Path:
     config = transformers.LlamaConfig(**(COMMON | {"num_hidden_layers": 2}))
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf(path, "llama", random_model(config))
     load_checkpoint(path)  # the intact file loads
-    return path.read_bytes()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_gguf_path) -> bytes:
+    return tiny_gguf_path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def index_end(tiny_gguf_path) -> int:
+    """The end of the header, metadata and tensor index (where the aligned tensor data begins)."""
+    return min(t.data_offset for t in GgufFile(tiny_gguf_path).tensors)
 
 
 
@@ -80,10 +92,9 @@ def test_a_string_length_past_the_end(tiny_gguf, tmp_path):
 @settings(max_examples=int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", 60)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_corrupted_gguf_metadata(tiny_gguf, tmp_path, data):
+def test_corrupted_gguf_metadata(tiny_gguf, index_end, tmp_path, data):
     """Bytes overwritten anywhere in the header, metadata and tensor index (with values that make
     counts, lengths, types and offsets absurd as often as plausible)."""
-    index_end = _index_end(tiny_gguf)
     blob = bytearray(tiny_gguf)
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, index_end - 1))
@@ -93,18 +104,6 @@ def test_corrupted_gguf_metadata(tiny_gguf, tmp_path, data):
     path = tmp_path / "corrupt.gguf"
     path.write_bytes(bytes(blob[: len(tiny_gguf)]))
     _fails_cleanly(path)
-
-
-def _index_end(data: bytes) -> int:
-    """The end of the tensor index (where the aligned tensor data begins, less the padding)."""
-    from tokenmill.models.gguf_file import GgufFile
-
-    path = Path(pytest.importorskip("tempfile").mkdtemp()) / "f.gguf"
-    path.write_bytes(data)
-    try:
-        return min(t.data_offset for t in GgufFile(path).tensors)
-    finally:
-        shutil.rmtree(path.parent)
 
 
 def test_damaged_hf_directories(tiny_qwen2_dir, tmp_path):

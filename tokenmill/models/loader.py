@@ -403,35 +403,39 @@ def _drop_file_pages(reader, tensor) -> None:
         pass
 
 
+def _dequantized_chunks(gguf, tensor_type, blocks: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, float32 rows) of blocks [N, bytes per row], _DEQUANTIZE_CHUNK_BYTES of blocks at a time."""
+    rows = max(1, _DEQUANTIZE_CHUNK_BYTES // blocks.shape[1])
+    for start in range(0, blocks.shape[0], rows):
+        yield start, np.asarray(gguf.quants.dequantize(blocks[start : start + rows], tensor_type), dtype=np.float32)
+
+
 def _dequantize(gguf, tensor) -> np.ndarray:
     """A GGUF tensor as float32 in PyTorch's layout (`[out, in]`), dequantized in row chunks."""
     data = tensor.data.view(np.ndarray)  # numpy's memmap subclass costs ~20% in dequantize's slicing
     if data.ndim < 2 or data.nbytes <= _DEQUANTIZE_CHUNK_BYTES:
         return np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
-    rows = max(1, _DEQUANTIZE_CHUNK_BYTES // (data.nbytes // data.shape[0]))
     flat = data.reshape(-1, data.shape[-1])
-    first = np.asarray(gguf.quants.dequantize(flat[:rows], tensor.tensor_type), dtype=np.float32)
-    out = np.empty((flat.shape[0], first.shape[-1]), dtype=np.float32)
-    out[:rows] = first
-    for start in range(rows, flat.shape[0], rows):
-        out[start : start + rows] = gguf.quants.dequantize(flat[start : start + rows], tensor.tensor_type)
-    return out.reshape(*data.shape[:-1], first.shape[-1])
+    out = None
+    for start, w in _dequantized_chunks(gguf, tensor.tensor_type, flat):
+        if out is None:
+            out = np.empty((flat.shape[0], w.shape[1]), dtype=np.float32)
+        out[start : start + len(w)] = w
+    return out.reshape(*data.shape[:-1], out.shape[-1])
 
 
 def _int8_record(gguf, tensor_type, blocks: np.ndarray) -> dict[str, torch.Tensor]:
     """Blocks [N, bytes per row] of a GGUF tensor as an int8 record, requantized per output
     channel (as formats.quantize_int8) from their float32 values a chunk of rows at a time, in
     numpy: torch's temporaries, freed on a loading thread, stay resident in glibc's arenas."""
-    rows = max(1, _DEQUANTIZE_CHUNK_BYTES // blocks.shape[1])
     codes, scales = None, np.empty(blocks.shape[0], dtype=np.float32)
-    for start in range(0, blocks.shape[0], rows):
-        w = np.asarray(gguf.quants.dequantize(blocks[start : start + rows], tensor_type), dtype=np.float32)
+    for start, w in _dequantized_chunks(gguf, tensor_type, blocks):
         if codes is None:
             codes = np.empty((blocks.shape[0], w.shape[1]), dtype=np.int8)
         s = np.maximum(np.abs(w).max(axis=1), np.float32(1e-12)) / np.float32(127)
         w /= s[:, None]
-        codes[start : start + rows] = np.clip(np.rint(w, out=w), -127, 127)
-        scales[start : start + rows] = s
+        codes[start : start + len(w)] = np.clip(np.rint(w, out=w), -127, 127)
+        scales[start : start + len(w)] = s
     return {"codes": torch.from_numpy(codes), "scales": torch.from_numpy(scales)}
 
 
