@@ -3,9 +3,10 @@
 
 Each config loads the model in a fresh process (`LLM(model, ...)` with the smallest KV cache),
 which reports its peak resident set (ru_maxrss), its resident set before loading (Python, torch,
-the tokenizer libraries), the bytes of the model's tensors as they run (`tensor_bytes`), and the
-load time. The ratio is (peak - before) / weights: what loading costs beyond the weights it
-leaves behind.
+the tokenizer libraries), what the checkpoint's metadata and tokenizer add (read first, without
+the weights: a 150k-token vocabulary's tokenizer is ~0.3 GB), the bytes of the model's tensors
+as they run (`tensor_bytes`), and the load time. The ratio is (peak - before - tokenizer) /
+weights: what loading the weights costs against the weights it leaves behind.
 
     python benchmarks/load_memory.py                                    # the default model
     python benchmarks/load_memory.py --model path/to/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --configs bf16,int4,auto
@@ -28,14 +29,24 @@ args = json.loads(sys.argv[1])
 sys.path.insert(0, args["bench_dir"])
 import torch
 from tokenmill import LLM
+from tokenmill.models.loader import load_checkpoint
+from tokenmill.models.registry import resolve_model
 from common import tensor_bytes
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t0 = time.perf_counter()
+rss0 = rss()
+checkpoint = load_checkpoint(resolve_model(args["model"]))  # the tokenizer is cached: LLM reuses it
+tokenizer = rss() - rss0
+del checkpoint
 llm = LLM(args["model"], kv_cache_memory_gb=0.01, **args["kwargs"])
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 kv = sum(t.numel() * t.element_size() for layer in llm.engine.core.runner.kv_caches for t in layer)
-print(json.dumps({"before_bytes": before, "peak_bytes": peak, "kv_cache_bytes": kv, "load_seconds": seconds,
+print(json.dumps({"before_bytes": before, "peak_bytes": peak, "tokenizer_bytes": tokenizer,
+                  "kv_cache_bytes": kv, "load_seconds": seconds,
                   **tensor_bytes(llm.engine.core.runner.model)}))
 """
 
@@ -48,7 +59,7 @@ def measure(model: str, name: str, dtype: str) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{name}: the loading process failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    loading = result["peak_bytes"] - result["before_bytes"]
+    loading = result["peak_bytes"] - result["before_bytes"] - result["tokenizer_bytes"]
     return {"config": name, **result, "loading_bytes": loading, "ratio": loading / result["total_bytes"]}
 
 
@@ -63,10 +74,12 @@ def main() -> None:
     args = parser.parse_args()
     results = [measure(args.model, name, args.dtype) for name in parse_configs(args.configs)]
     gb = 1e9
-    print_table(["config", "weights GB", "peak RSS GB", "before GB", "loading GB", "loading / weights", "load s"],
+    print_table(["config", "weights GB", "peak RSS GB", "before GB", "tokenizer GB", "loading GB", "loading / weights",
+                 "load s"],
                 [[r["config"], fmt(r["total_bytes"] / gb, ".3f"), fmt(r["peak_bytes"] / gb, ".3f"),
-                  fmt(r["before_bytes"] / gb, ".3f"), fmt(r["loading_bytes"] / gb, ".3f"), fmt(r["ratio"], ".2f"),
-                  fmt(r["load_seconds"])] for r in results])
+                  fmt(r["before_bytes"] / gb, ".3f"), fmt(r["tokenizer_bytes"] / gb, ".3f"),
+                  fmt(r["loading_bytes"] / gb, ".3f"), fmt(r["ratio"], ".2f"), fmt(r["load_seconds"])]
+                 for r in results])
     from pathlib import Path
 
     write_report(Path(args.output), "load_memory", vars(args), results)

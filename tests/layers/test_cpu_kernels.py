@@ -360,13 +360,13 @@ def activations(level, rows: int, in_features: int, g: torch.Generator) -> torch
     return x.bfloat16() if level.native_bf16() else x
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 13])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
 def test_int4_linear_matches_the_dequantized_weight(level, rows, out_features, in_features, group_size):
-    from tokenmill.layers.linear import Int4Linear, kernel_rows
+    """Any number of rows, 4 at a time (6, 13: a last block of 2 and 1); the layer takes it up to
+    int4_kernel_rows and keeps no PyTorch copy of the codes."""
+    from tokenmill.layers.linear import Int4Linear, int4_kernel_rows
 
-    if level.native_bf16() and rows > 4:
-        pytest.skip("the avx512_bf16 few-row kernel takes 1-4 rows")
     g = torch.Generator().manual_seed(rows)
     codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
     layer = Int4Linear(record, None, level)
@@ -379,13 +379,11 @@ def test_int4_linear_matches_the_dequantized_weight(level, rows, out_features, i
     else:  # x in int8 per block of 32 against (q - 8) * scale, exact fp32 block sums against min + 8 * scale
         expected = int8_blocks(x) @ ((codes - 8) * scales).t() + x @ (mins + 8 * scales).t()
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-4)
-    if rows <= kernel_rows(level)[0]:  # the layer takes this path
+    if rows <= int4_kernel_rows(level)[0]:  # the layer takes this path
         assert torch.equal(layer(x), got)
+    assert layer.packed.numel() == 0
     # within the int8 activations' error of the exact product
     torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)
-    if level.native_bf16():
-        with pytest.raises(RuntimeError, match="M <= 4"):
-            level.int4_linear(torch.randn(5, in_features).bfloat16(), layer.kernel_codes, layer.kernel_pairs, group_size)
 
 
 @pytest.mark.skipif(kernels is None or not kernels.native_bf16(), reason="bf16_linear needs AVX-512 BF16")
@@ -471,7 +469,7 @@ def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
     rounded once to bf16, then exact products and fp32 sums (at the avx2 levels fp32 weights; from
     256 rows the whole weight widened once and multiplied by at::mm). Int4Linear takes it from
     INT4_GEMM_MIN_ROWS rows."""
-    from tokenmill.layers.linear import Int4Linear, kernel_rows
+    from tokenmill.layers.linear import Int4Linear, int4_kernel_rows
 
     g = torch.Generator().manual_seed(rows)
     codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
@@ -483,7 +481,7 @@ def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
     got = level.int4_gemm(x, layer.kernel_codes, layer.kernel_pairs, group_size)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
-    if rows >= kernel_rows(level)[1]:
+    if rows >= int4_kernel_rows(level)[1]:
         assert torch.equal(layer(x), got)
     # within PyTorch's kernel's distance of the unrounded weight (its tolerance above)
     torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)

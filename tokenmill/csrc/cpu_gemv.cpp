@@ -318,8 +318,12 @@ void check_matmul_args(const char* kernel, const at::Tensor& x, std::initializer
               "x: fp32 or bf16 [M, K] with 1 <= M", max_rows ? " <= " + std::to_string(max_rows) : std::string());
 }
 
-// The AVX-512 BF16 few-row kernels take 1-4 rows; the AVX2 ones any number (4 at a time).
+// The AVX-512 BF16 few-row kernels take 1-4 rows (int4_linear any number); the AVX2 ones any
+// number (4 at a time).
 constexpr int64_t kFewRowsMax = tokenmill::kAvx512Bf16Built ? 4 : 0;
+// int4_linear above 4 rows: output channels per span that every block of 4 rows runs over before
+// the next span (64 channels of K = 8960 are 280 KB of codes: they stay in L2).
+constexpr int64_t kInt4RowSpan = 64;
 
 // An entry point of a level without the kernel (check_matmul_args has refused the call already).
 at::Tensor not_built(const char* kernel) {
@@ -344,11 +348,11 @@ void check_int4_weight(int64_t K, int64_t N, const at::Tensor& packed, const at:
 
 }  // namespace
 
-// x [M, K] bf16 contiguous, 1 <= M <= 4; packed [N, K/2] uint8 (chunk layout above); pairs
-// [N, K/group_size, 2] bf16 (scale, min) contiguous; group_size 32 or a multiple of 64, K a
+// x [M, K] bf16 contiguous, M >= 1 (4 rows at a time); packed [N, K/2] uint8 (chunk layout
+// above); pairs [N, K/group_size, 2] bf16 (scale, min) contiguous; group_size 32 or a multiple of 64, K a
 // multiple of 64. Returns y [M, N] bf16.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  check_matmul_args("int4_linear", x, {&packed, &pairs}, kFewRowsMax);
+  check_matmul_args("int4_linear", x, {&packed, &pairs}, 0);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   check_int4_weight(K, N, packed, pairs, group_size);
 #if defined(TOKENMILL_AVX512_BF16)
@@ -371,8 +375,18 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
-  for_output_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
-    int4_rows<decltype(m)::value>(x16, xs.data(), w, p, out, K, N, groups, group_size, begin, end);
+  // Any number of rows, 4 at a time over each span of kInt4RowSpan output channels, so that the
+  // span's weights are read from memory once and from cache by the later row blocks.
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kInt4RowSpan) {
+      const int64_t n1 = std::min(end, n0 + kInt4RowSpan);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto m) {
+          int4_rows<decltype(m)::value>(x16 + m0 * K, xs.data() + m0 * groups, w, p, out + m0 * N, K, N, groups,
+                                        group_size, n0, n1);
+        });
+      }
+    }
   });
 #elif defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int4_linear(as_kernel_dtype(x), packed, pairs, group_size);

@@ -18,12 +18,13 @@ many rows the matmul is compute-bound and these kernels are slower than a bf16 m
 bf16 matmul, 2.1-2.5x faster than PyTorch's int8 kernel at 64 rows), or without the kernels
 dequantizes its weight and runs a plain bf16 matmul.
 
-Given the compiled CPU kernels (`layers.cpu_kernels`, on a CPU with AVX-512 BF16), the bf16,
-int8 and int4 layers run matmuls of 1-3 rows — decode steps of a few requests — with
-tokenmill's own `bf16_linear` / `int8_linear` / `int4_linear` (csrc/cpu_gemv.cpp), which read
-the weight at close to memory speed where PyTorch's kernels do not (1.3-1.6x on the default
-model's matrices at 1 row); more rows keep PyTorch's kernels, except many rows of int8 (above
-`max_rows`: `int8_gemm`) and int4 (from `INT4_GEMM_MIN_ROWS`: `int4_gemm`), at a bf16 matmul's speed.
+Given the compiled CPU kernels (`layers.cpu_kernels`, on a CPU with AVX-512 BF16), the bf16
+and int8 layers run matmuls of 1-3 rows — decode steps of a few requests — with tokenmill's own
+`bf16_linear` / `int8_linear` (csrc/cpu_gemv.cpp), which read the weight at close to memory
+speed where PyTorch's kernels do not (1.3-1.6x on the default model's matrices at 1 row); more
+rows keep PyTorch's kernels, except many rows of int8 (above `max_rows`: `int8_gemm`), at a bf16
+matmul's speed. The int4 layer runs tokenmill's kernels at every row count: `int4_linear` below
+`INT4_GEMM_MIN_ROWS` rows, `int4_gemm` from there.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_ro
 # The most rows the few-row kernels take here and in the DecoderStack at avx512_bf16. At 4 rows
 # int4_linear is on par with PyTorch's kernel.
 KERNEL_MAX_ROWS = 3
-# From how many rows Int4Linear runs `int4_gemm` (here and in the DecoderStack) at avx512_bf16:
-# over the default model's 120 layer matrices on 2 cores 0.83x PyTorch's int4 kernel at 16 rows,
-# 1.23x at 32, 1.75x at 64 (below, its per-panel widening of the codes is not paid back).
+# From how many rows Int4Linear runs `int4_gemm` (here and in the DecoderStack) at avx512_bf16,
+# `int4_linear` below: over the default model's 120 layer matrices on 2 cores int4_gemm is 0.70x
+# PyTorch's int4 kernel at 16 rows, 1.05x at 32, 1.25x at 40 (below, its per-panel widening of the
+# codes is not paid back); int4_linear (4 rows at a time over each span of output channels) is
+# 0.96-1.3x PyTorch's from 4 to 24 rows, on Qwen2.5-1.5B's matrices 0.99-1.08x.
 INT4_GEMM_MIN_ROWS = 24
 # At avx2/avx512 the few-row kernels (int8 activations, memory-bound) run up to this many rows and
 # the fp32 panel kernels (int8_gemm, int4_gemm) above; PyTorch's bf16 kernels never (without
@@ -55,6 +58,14 @@ def kernel_rows(kernels) -> tuple[int, int]:
     if kernels.native_bf16():
         return KERNEL_MAX_ROWS, INT4_GEMM_MIN_ROWS
     return AVX2_KERNEL_MAX_ROWS, AVX2_KERNEL_MAX_ROWS + 1
+
+
+def int4_kernel_rows(kernels) -> tuple[int, int]:
+    """(the most rows for int4_linear, the fewest for int4_gemm) of a kernels module: the two
+    cover every row count."""
+    if kernels.native_bf16():
+        return INT4_GEMM_MIN_ROWS - 1, INT4_GEMM_MIN_ROWS
+    return kernel_rows(kernels)
 
 
 def _bf16_packing_supported(device: torch.device) -> bool:
@@ -176,15 +187,13 @@ class Int8Linear(QuantizedLinear):
 class Int4Linear(QuantizedLinear):
     """Weight-only int4, asymmetric groups (`_weight_int4pack_mm_for_cpu`, bf16 activations).
 
-    With `kernels` (the compiled CPU kernels, on a CPU with AVX-512 BF16) and a shape they take
-    (in_features a multiple of 64; group size 32 or a multiple of 64), matmuls of 1-3 rows — the
-    decode steps of a few requests — run `kernels.int4_linear` instead (csrc/cpu_gemv.cpp; over
-    the default model's 120 matrices on 2 cores 1.42x faster than PyTorch's at 1 row, 1.13x at
-    2-3, on par at 4), from a second copy of the codes in its own layout (the weights' memory
-    doubles) and (scale, min) as bf16 pairs; from INT4_GEMM_MIN_ROWS rows `kernels.int4_gemm`
-    on the same copy (each panel of 32 output channels widened once to bf16 weights, then
-    vdpbf16ps over every row); in between PyTorch's kernel. Where the kernels take every row
-    count (avx2, avx512: `kernel_rows`), PyTorch's copy is not made.
+    With `kernels` (the compiled CPU kernels, avx2 and up) and a shape they take (in_features a
+    multiple of 64; group size 32 or a multiple of 64), every matmul runs tokenmill's kernels
+    instead, on the codes in their own layout and (scale, min) as bf16 pairs, and PyTorch's
+    packed copy is not made: `kernels.int4_linear` up to `int4_kernel_rows` (csrc/cpu_gemv.cpp;
+    at avx512_bf16 over the default model's 120 matrices on 2 cores 1.42x faster than PyTorch's
+    at 1 row, 1.13x at 2-3, 0.96-1.3x from 4 to 24), `kernels.int4_gemm` above (each panel of
+    32 output channels widened once to bf16 weights, then vdpbf16ps over every row).
 
     On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
     shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
@@ -216,10 +225,9 @@ class Int4Linear(QuantizedLinear):
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)):
             self.kernel = kernels
-            self.kernel_max_rows, self.gemm_min_rows = kernel_rows(kernels)
+            self.kernel_max_rows, self.gemm_min_rows = int4_kernel_rows(kernels)
             self.kernel_codes = _kernel_int4_layout(record["codes"])
             self.kernel_pairs = torch.stack([scales, mins], dim=-1).to(torch.bfloat16).contiguous()
-        if self.kernel is not None and self.gemm_min_rows <= self.kernel_max_rows + 1:
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
         else:
@@ -231,10 +239,9 @@ class Int4Linear(QuantizedLinear):
                                      for part in codes.split(_PACK_ROWS)])
 
     def _matmul(self, x):
-        if self.kernel is not None and x.shape[0] <= self.kernel_max_rows:
-            return self.kernel.int4_linear(x.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
-        if self.kernel is not None and x.shape[0] >= self.gemm_min_rows:
-            return self.kernel.int4_gemm(x.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
+        if self.kernel is not None:
+            matmul = self.kernel.int4_linear if x.shape[0] <= self.kernel_max_rows else self.kernel.int4_gemm
+            return matmul(x.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if xb.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
