@@ -46,7 +46,9 @@ inline __m512 broadcast_bf16_low(uint32_t pair) {  // the low bf16 of a pair, as
 }
 
 // Rows [begin, end) of y for M rows of x. xs: per row of x, its group sums [M, groups] fp32.
-template <int M>
+// A accumulators per row of x (4 up to 4 rows; 2 for 5-8, which keep 16 chains in flight and
+// leave registers for the weights): each chunk of codes is widened once for all M rows.
+template <int M, int A = (M <= 4 ? 4 : 2)>
 void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const uint32_t* pairs, at::BFloat16* y,
                int64_t K, int64_t N, int64_t groups, int64_t group_size, int64_t begin, int64_t end) {
   alignas(64) uint16_t table_bits[32];
@@ -64,9 +66,9 @@ void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const 
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = packed + n * (K / 2);
     const uint32_t* p = pairs + n * groups;
-    __m512 acc[M][4];
+    __m512 acc[M][A];
     for (int m = 0; m < M; ++m) {
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+      for (int j = 0; j < A; ++j) acc[m][j] = _mm512_setzero_ps();
     }
     if (group_size == 32) {  // each nibble half of a chunk is one group
       const auto chunk_step = [&](int64_t c, int j) {
@@ -84,7 +86,7 @@ void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const 
       int64_t c = 0;
       for (; c + 1 < chunks; c += 2) {
         chunk_step(c, 0);
-        chunk_step(c + 1, 2);
+        chunk_step(c + 1, A - 2);
       }
       if (c < chunks) chunk_step(c, 0);
     } else {  // group_size a multiple of 64: whole chunks per group
@@ -102,7 +104,7 @@ void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const 
           }
         }
         const __m512 s = broadcast_bf16_low(p[g]);
-        const int j = 2 * (g & 1);
+        const int j = A == 4 ? 2 * (g & 1) : 0;
         for (int m = 0; m < M; ++m) {
           acc[m][j] = _mm512_fmadd_ps(dot[m][0], s, acc[m][j]);
           acc[m][j + 1] = _mm512_fmadd_ps(dot[m][1], s, acc[m][j + 1]);
@@ -116,7 +118,8 @@ void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const 
       for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(k, xs + m * groups + g), acc[m][0]);
     }
     for (int m = 0; m < M; ++m) {
-      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+      __m512 total = _mm512_add_ps(acc[m][0], acc[m][1]);
+      if constexpr (A == 4) total = _mm512_add_ps(total, _mm512_add_ps(acc[m][2], acc[m][3]));
       y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(total));
     }
   }
@@ -375,16 +378,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
-  // Any number of rows, 4 at a time over each span of kInt4RowSpan output channels, so that the
-  // span's weights are read from memory once and from cache by the later row blocks.
+  // Any number of rows, up to 8 at a time over each span of kInt4RowSpan output channels, so
+  // that the span's weights are read from memory once and from cache by the later row blocks.
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n0 = begin; n0 < end; n0 += kInt4RowSpan) {
       const int64_t n1 = std::min(end, n0 + kInt4RowSpan);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto m) {
+      for (int64_t m0 = 0; m0 < M;) {
+        const int64_t rows = std::min<int64_t>(8, M - m0);
+        const auto run = [&](auto m) {
           int4_rows<decltype(m)::value>(x16 + m0 * K, xs.data() + m0 * groups, w, p, out + m0 * N, K, N, groups,
                                         group_size, n0, n1);
-        });
+        };
+        switch (rows) {
+          case 8: run(std::integral_constant<int, 8>{}); break;
+          case 7: run(std::integral_constant<int, 7>{}); break;
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 5: run(std::integral_constant<int, 5>{}); break;
+          default: tokenmill::with_row_count(rows, run); break;
+        }
+        m0 += rows;
       }
     }
   });

@@ -42,11 +42,12 @@ from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_ro
 # int4_linear is on par with PyTorch's kernel.
 KERNEL_MAX_ROWS = 3
 # From how many rows Int4Linear runs `int4_gemm` (here and in the DecoderStack) at avx512_bf16,
-# `int4_linear` below: over the default model's 120 layer matrices on 2 cores int4_gemm is 0.70x
-# PyTorch's int4 kernel at 16 rows, 1.05x at 32, 1.25x at 40 (below, its per-panel widening of the
-# codes is not paid back); int4_linear (4 rows at a time over each span of output channels) is
-# 0.96-1.3x PyTorch's from 4 to 24 rows, on Qwen2.5-1.5B's matrices 0.99-1.08x.
-INT4_GEMM_MIN_ROWS = 24
+# `int4_linear` below. Over the default model's 120 layer matrices on 2 cores, against PyTorch's
+# int4 kernel: int4_gemm 0.79x at 16 rows, 1.03x at 24, 1.18x at 32, 1.38x at 40 (below, its
+# per-panel widening of the codes is not paid back); int4_linear (up to 8 rows at a time over
+# each span of output channels) 1.04-1.6x from 4 to 32 rows; the two meet at ~28 rows (the same
+# on Qwen2.5-1.5B's matrices, where int4_linear is 1.01-1.11x PyTorch's).
+INT4_GEMM_MIN_ROWS = 28
 # At avx2/avx512 the few-row kernels (int8 activations, memory-bound) run up to this many rows and
 # the fp32 panel kernels (int8_gemm, int4_gemm) above; PyTorch's bf16 kernels never (without
 # native bf16 they are many times slower than either).
@@ -192,7 +193,7 @@ class Int4Linear(QuantizedLinear):
     instead, on the codes in their own layout and (scale, min) as bf16 pairs, and PyTorch's
     packed copy is not made: `kernels.int4_linear` up to `int4_kernel_rows` (csrc/cpu_gemv.cpp;
     at avx512_bf16 over the default model's 120 matrices on 2 cores 1.42x faster than PyTorch's
-    at 1 row, 1.13x at 2-3, 0.96-1.3x from 4 to 24), `kernels.int4_gemm` above (each panel of
+    at 1 row, 1.13x at 2-3, 1.04-1.6x from 4 to 27), `kernels.int4_gemm` above (each panel of
     32 output channels widened once to bf16 weights, then vdpbf16ps over every row).
 
     On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
