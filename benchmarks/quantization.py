@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     rows, quantize_seconds = {}, {}
     for name in args.configs:
         spec = CONFIGS[name]
-        if spec[0] is None:
-            rows[name] = measure(name, str(source), disk_bytes(source), settings, problems)
+        if spec[0] is None:  # the source's weights dense (a GGUF file's quantized tensors dequantized)
+            rows[name] = measure(name, str(source), disk_bytes(source), settings, problems, quantization="none")
         elif spec[0] == "kv":
-            rows[name] = measure(name, str(source), disk_bytes(source), settings, problems, kv_cache_dtype=spec[1],
-                                 max_num_batched_tokens=args.kv_max_num_batched_tokens)
+            rows[name] = measure(name, str(source), disk_bytes(source), settings, problems, quantization="none",
+                                 kv_cache_dtype=spec[1], max_num_batched_tokens=args.kv_max_num_batched_tokens)
         else:
             method, algorithm, group_size = spec
             qconfig = QuantConfig(method=method, algorithm=algorithm, group_size=group_size,

@@ -43,6 +43,23 @@ def test_int4_record_is_the_files_weights_exactly(type_name):
     np.testing.assert_allclose(dequantize_record("int4", record).numpy(), expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
+def test_int8_record_is_quantize_int8_of_the_files_weights(type_name, monkeypatch):
+    """The numpy requantization of wider types gives formats.quantize_int8's codes and scales,
+    across chunk boundaries (chunks of 7 rows here)."""
+    from tokenmill.models import loader
+    from tokenmill.quantization.formats import quantize_int8
+
+    rng = np.random.default_rng(1)
+    blocks = gguf.quants.quantize(rng.standard_normal((40, 256)).astype(np.float32), T[type_name])
+    blocks[3] = gguf.quants.quantize(np.zeros((1, 256), dtype=np.float32), T[type_name])  # an all-zero row
+    monkeypatch.setattr(loader, "_DEQUANTIZE_CHUNK_BYTES", 7 * blocks.shape[1])
+    record = loader._int8_record(gguf, T[type_name], blocks)
+    codes, scales = quantize_int8(torch.from_numpy(gguf.quants.dequantize(blocks, T[type_name])))
+    assert record["codes"].dtype == torch.int8 and torch.equal(record["codes"], codes)
+    torch.testing.assert_close(record["scales"], scales, rtol=0, atol=0)
+
+
 def test_methods_by_stored_type():
     assert [gguf_blocks.stored_method(t) for t in ("F16", "Q4_0", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "Q8_0")] == \
         [None, "int4", "int4", "int4", "int8", "int8", "int8"]

@@ -6,21 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.test_families import LastLogits
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 
 LOGITS_ATOL = 1e-4  # fp32, tiny model (logits of magnitude ~1)
-
-
-class LastLogits:
-    def __init__(self, sampler):
-        self.sampler = sampler
-        self.seen: list[tuple[tuple[int, ...], torch.Tensor]] = []
-
-    def __call__(self, logits, rows, *args):
-        for i, row in enumerate(rows):
-            self.seen.append((tuple(row.prompt_token_ids) + tuple(row.output_token_ids), logits[i].cpu().clone()))
-        return self.sampler(logits, rows, *args)
 
 
 def test_tiny_qwen2_logits_and_greedy_match_hf(tiny_qwen2_dir, monkeypatch):

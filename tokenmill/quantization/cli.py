@@ -88,7 +88,8 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     label = f"{args.method} {args.algorithm}" + (f" g{args.group_size}" if args.method == "int4" else "")
     rows = [
-        measure(f"original ({source.name})", str(source), disk_bytes(source), settings, problems),
+        # the original's weights dense (a GGUF file's quantized tensors dequantized, as quantize reads them)
+        measure(f"original ({source.name})", str(source), disk_bytes(source), settings, problems, quantization="none"),
         measure(label, str(out), disk_bytes(out), settings, problems),
     ]
     header = {"source": str(source), "method": label, "dtype": settings.dtype, "gsm8k_problems": len(problems),
