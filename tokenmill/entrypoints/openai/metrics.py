@@ -44,8 +44,12 @@ class ServerMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("tokenmill_generation_tokens", "Output tokens of finished requests",
                                          labels, registry=r).labels(model_name)
-        self._finished = Counter("tokenmill_request_success", "Finished requests by finish reason",
-                                 ["model_name", "finished_reason"], registry=r)
+        self.accepted = Counter("tokenmill_request_accepted", "Choices the engine accepted (a request of n counts n); "
+                                "once every request has ended, the sum of tokenmill_request_success", labels,
+                                registry=r).labels(model_name)
+        self._finished = Counter("tokenmill_request_success", "Finished choices by finish reason (abort: the client "
+                                 "left or the engine failed before the end)", ["model_name", "finished_reason"],
+                                 registry=r)
         self.finished = lambda reason: self._finished.labels(model_name, reason)
         for reason in ("stop", "length", "abort"):
             self.finished(reason)  # present from the start, at 0
@@ -111,9 +115,10 @@ class _EngineCounters:
 class RequestTracker:
     """Follows one engine request's outputs into the metrics; logs one line when it ends."""
 
-    def __init__(self, metrics: ServerMetrics, request_id: str):
+    def __init__(self, metrics: ServerMetrics, request_id: str, choices: int = 1):
         self.m = metrics
         self.request_id = request_id
+        self.choices = choices
         self.last: RequestOutput | None = None
         self._last_token_time: float | None = None
         self._closed = False
@@ -139,7 +144,7 @@ class RequestTracker:
         out = self.last
         m = self.m
         if out is None or not out.finished:
-            m.finished("abort").inc()
+            m.finished("abort").inc(self.choices)
             logger.info("request %s: aborted after %d output tokens", self.request_id,
                         0 if out is None else sum(len(c.token_ids) for c in out.outputs))
             return

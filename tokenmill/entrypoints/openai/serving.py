@@ -301,11 +301,12 @@ class OpenAIServing:
             if constraint is not None and isinstance(e, SamplingParamsError) and e.field.startswith("structured_output"):
                 raise constraint.field_error(e) from None  # a schema or grammar the backend cannot compile
             raise
-        return [self._tracked(stream) for stream in streams]
+        self.metrics.accepted.inc(len(streams) * params.n)
+        return [self._tracked(stream, params.n) for stream in streams]
 
-    async def _tracked(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    async def _tracked(self, stream: RequestStream, choices: int) -> AsyncIterator[RequestOutput]:
         """The stream's outputs, observed by the metrics; aborts the request if left early."""
-        tracker = RequestTracker(self.metrics, stream.request_id)
+        tracker = RequestTracker(self.metrics, stream.request_id, choices)
         try:
             async for out in stream:
                 tracker.observe(out)
