@@ -462,24 +462,23 @@ def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
         level.int8_gemm(x[:, :8].contiguous(), layer.codes[:, :8].contiguous(), layer.scales)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9, 64, 260])
+@pytest.mark.parametrize("rows", [1, 4, 9, 13, 64, 260])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
 def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, group_size):
-    """The many-row int4 kernel reads int4_linear's codes and pairs; each weight is q * scale + min
-    rounded once to bf16, then exact products and fp32 sums (at the avx2 levels fp32 weights; from
-    256 rows the whole weight widened once and multiplied by at::mm). Int4Linear takes it from
-    INT4_GEMM_MIN_ROWS rows."""
+    """The many-row int4 kernel reads int4_linear's codes and pairs (at avx512_bf16 it is
+    int4_linear's kernel; at the avx2 levels fp32 weight panels, from 256 rows the whole weight
+    widened once and multiplied by at::mm). Int4Linear takes it above int4_linear's rows."""
     from tokenmill.layers.linear import Int4Linear, int4_kernel_rows
 
     g = torch.Generator().manual_seed(rows)
     codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
     layer = Int4Linear(record, None, level)
     weight = codes * scales + mins
-    if level.native_bf16():
-        weight = weight.bfloat16().float()  # rounded once, as the kernel rounds it
     x = activations(level, rows, in_features, g)
     got = level.int4_gemm(x, layer.kernel_codes, layer.kernel_pairs, group_size)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
+    # exact products with the codes, fp32 sums, scale and min per group in fp32 (avx512_bf16: the
+    # kernel of int4_linear), or fp32 weights q * scale + min (avx2)
     torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
     if rows >= int4_kernel_rows(level)[1]:
         assert torch.equal(layer(x), got)

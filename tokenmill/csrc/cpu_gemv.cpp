@@ -4,21 +4,25 @@
 // compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere gemv_supported() is
 // false and the linears keep PyTorch's kernels.
 //
-// int4_linear: weight-only int4 (layers/linear.py Int4Linear). w = q * scale + min per group of
-// `group_size` input channels (q = 0..15), packed by Int4Linear into 64-weight chunks: byte j
-// (0..31) of a chunk holds q[j] in its low nibble and q[32 + j] in its high nibble, so each
-// nibble half widens (vpmovzxbw, a 16-entry bf16 table) into 32 bf16 weights that meet 32
-// consecutive x values in one vdpbf16ps (exact products, fp32 sums). Scales and mins are bf16
-// pairs [N, groups, 2]. Per group: scale * sum(q x) in fp32; per row, sum over groups of
-// min * sum(x of the group) is added once, 16 groups per vector.
+// int4_linear / int4_gemm: weight-only int4 (layers/linear.py Int4Linear), w = q * scale + min per
+// group of `group_size` input channels (q = 0..15), one kernel for every row count over a layout
+// made for vdpbf16ps: output channels in tiles of 16; per tile and quad of input channels
+// 4i .. 4i + 3, 32 bytes where byte 2c + j holds q(c, 4i + j) | q(c, 4i + 2 + j) << 4 (c: the
+// channel in the tile, j = 0, 1). Widened (vpmovzxbw, a 16-entry bf16 table of 0..15), the low
+// nibbles are the 16 channels' pairs (4i, 4i + 1), the high ones their pairs (4i + 2, 4i + 3):
+// each meets one broadcast pair of x in a vdpbf16ps (exact products, fp32 sums, 16 channels at
+// once, no horizontal sums). Per group the sums take the group's 16 scales (an FMA) and
+// min * sum(x of the group) (another); scales and mins are bf16 [tiles, groups, 32] (16 scales,
+// then 16 mins). Few rows widen the codes as they go; from kInt4BufferedRows rows a tile pair
+// is widened once into a buffer that every block of rows reads (int4_tiled_matmul).
 // bf16_linear: a bf16 weight [N, K] as it is (DenseLinear), 32 weights per vdpbf16ps.
 // int8_linear: weight-only int8 with one scale per output row (Int8Linear, the quantized
 // configs' LM head), codes widened to fp32 16 at a time, fp32 FMAs, the scale applied once.
 // All three: parallel over output rows, several accumulators per row so that the additions do
 // not wait on each other, the result rounded once to bf16.
-// int8_gemm / int4_gemm: the same weights at many rows, compute-bound there, at about a bf16
-// matmul's speed: panels of 32 output channels widened once to bf16 (int8 codes exactly; int4
-// through a per-group table of v * scale + min rounded to bf16), then vdpbf16ps over every row.
+// int8_gemm: the same weights at many rows, compute-bound there, at about a bf16 matmul's speed:
+// panels of 32 output channels widened once to bf16 (int8 codes exactly), then vdpbf16ps over
+// every row.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
@@ -45,84 +49,151 @@ inline __m512 broadcast_bf16_low(uint32_t pair) {  // the low bf16 of a pair, as
   return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair << 16)));
 }
 
-// Rows [begin, end) of y for M rows of x. xs: per row of x, its group sums [M, groups] fp32.
-// A accumulators per row of x (4 up to 4 rows; 2 for 5-8, which keep 16 chains in flight and
-// leave registers for the weights): each chunk of codes is widened once for all M rows.
-template <int M, int A = (M <= 4 ? 4 : 2)>
-void int4_rows(const uint16_t* x, const float* xs, const uint8_t* packed, const uint32_t* pairs, at::BFloat16* y,
-               int64_t K, int64_t N, int64_t groups, int64_t group_size, int64_t begin, int64_t end) {
+inline __m512 bf16x16_to_fp32(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// int4: from how many rows a tile pair's codes are widened once into a buffer, and rows per block
+// over that buffer.
+constexpr int64_t kInt4BufferedRows = 12;
+constexpr int64_t kInt4BufferRows = 8;
+
+// The int4 weights of a call (see the layout above) and what every tile kernel shares.
+struct Int4Tiles {
+  const uint32_t* x;  // bf16 pairs, kpairs per row
+  const float* xs;    // per row of x, its group sums [M, groups]
+  const uint8_t* codes;
+  const uint16_t* sm;
+  uint16_t* y;        // bf16 [M, N]
+  int64_t kpairs, groups, quads_per_group, N;
+  int64_t tile_bytes() const { return kpairs / 2 * 32; }
+  int64_t tile_sm() const { return groups * 32; }
+};
+
+// y[r, 16 t0 .. 16 (t0 + T)) for R rows of x from row m0, T tiles from tile t0 (cols: the valid
+// output channels of them); S accumulators per (row, tile) so that enough sums are in flight.
+// Buffered: the tiles' widened pairs from buf ([kpairs][16 T] pairs) instead of their codes.
+template <int R, int T, int S, bool Buffered = false>
+void int4_tiles(const Int4Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512i table, const uint32_t* buf = nullptr) {
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const uint32_t* x = a.x + m0 * a.kpairs;
+  const uint8_t* codes = a.codes + t0 * a.tile_bytes();
+  const uint16_t* sm = a.sm + t0 * a.tile_sm();
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0, q = 0; g < a.groups; ++g) {
+    __m512 dot[R][T][S];
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < T; ++t) {
+        for (int i = 0; i < S; ++i) dot[r][t][i] = _mm512_setzero_ps();
+      }
+    }
+    for (const int64_t q_end = q + a.quads_per_group; q < q_end; ++q) {
+      __m512i lo[T], hi[T];  // pairs 2q and 2q + 1 of each tile's 16 channels
+      for (int t = 0; t < T; ++t) {
+        if constexpr (Buffered) {
+          lo[t] = _mm512_loadu_si512(buf + (2 * q) * (16 * T) + 16 * t);
+          hi[t] = _mm512_loadu_si512(buf + (2 * q + 1) * (16 * T) + 16 * t);
+        } else {
+          const uint8_t* p = codes + t * a.tile_bytes() + q * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes), _MM_HINT_T0);
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+          lo[t] = _mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), table);
+          hi[t] = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * a.kpairs + 2 * q]));
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * a.kpairs + 2 * q + 1]));
+        for (int t = 0; t < T; ++t) {
+          dot[r][t][0] = _mm512_dpbf16_ps(dot[r][t][0], x0, (__m512bh)lo[t]);
+          dot[r][t][S - 1] = _mm512_dpbf16_ps(dot[r][t][S - 1], x1, (__m512bh)hi[t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m512 scale = bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32);
+      const __m512 mins = bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32 + 16);
+      for (int r = 0; r < R; ++r) {
+        __m512 d = dot[r][t][0];
+        if constexpr (S == 2) d = _mm512_add_ps(d, dot[r][t][1]);
+        acc[r][t] = _mm512_fmadd_ps(d, scale, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.xs[(m0 + r) * a.groups + g]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T && cols > 16 * t; ++t) {
+      const int64_t c = cols - 16 * t;
+      const __mmask16 mask = c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
+      _mm256_mask_storeu_epi16(a.y + (m0 + r) * a.N + 16 * (t0 + t), mask, (__m256i)_mm512_cvtneps_pbh(acc[r][t]));
+    }
+  }
+}
+
+// f(std::integral_constant<int, r>) for 1 <= rows <= 8.
+template <typename F>
+void with_rows_up_to_8(int64_t rows, const F& f) {
+  switch (rows) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: tokenmill::with_row_count(rows, f); break;
+  }
+}
+
+// y = x W^T for the int4 weight of `a`, every row count, over items of tiles taken by the
+// threads in turn. One row: one tile at a time (one stream of codes per thread reads fastest).
+// Few rows: tile pairs (an x pair broadcast once for 32 channels), widened as they go, 4 rows at
+// a time. From kInt4BufferedRows rows: a tile pair widened once into a buffer that blocks of
+// kInt4BufferRows rows read.
+void int4_tiled_matmul(const Int4Tiles& a, int64_t M) {
   alignas(64) uint16_t table_bits[32];
   for (int i = 0; i < 32; ++i) table_bits[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
   const __m512i table = _mm512_load_si512(table_bits);
-  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const int64_t chunks = K / 64;
-  const auto widen = [&](const uint8_t* chunk, __m512i& lo, __m512i& hi) {
-    _mm_prefetch(reinterpret_cast<const char*>(chunk + kQuantPrefetchBytes), _MM_HINT_T0);
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
-    lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), table);
-    hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
-  };
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = packed + n * (K / 2);
-    const uint32_t* p = pairs + n * groups;
-    __m512 acc[M][A];
-    for (int m = 0; m < M; ++m) {
-      for (int j = 0; j < A; ++j) acc[m][j] = _mm512_setzero_ps();
-    }
-    if (group_size == 32) {  // each nibble half of a chunk is one group
-      const auto chunk_step = [&](int64_t c, int j) {
-        __m512i lo, hi;
-        widen(row + c * 32, lo, hi);
-        const __m512 s0 = broadcast_bf16_low(p[2 * c]), s1 = broadcast_bf16_low(p[2 * c + 1]);
-        for (int m = 0; m < M; ++m) {
-          const uint16_t* xr = x + m * K + c * 64;
-          const __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xr));
-          const __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xr + 32));
-          acc[m][j] = _mm512_fmadd_ps(d0, s0, acc[m][j]);
-          acc[m][j + 1] = _mm512_fmadd_ps(d1, s1, acc[m][j + 1]);
-        }
-      };
-      int64_t c = 0;
-      for (; c + 1 < chunks; c += 2) {
-        chunk_step(c, 0);
-        chunk_step(c + 1, A - 2);
-      }
-      if (c < chunks) chunk_step(c, 0);
-    } else {  // group_size a multiple of 64: whole chunks per group
-      const int64_t per_group = group_size / 64;
-      for (int64_t g = 0, c = 0; g < groups; ++g) {
-        __m512 dot[M][2];
-        for (int m = 0; m < M; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < per_group; ++i, ++c) {
-          __m512i lo, hi;
-          widen(row + c * 32, lo, hi);
-          for (int m = 0; m < M; ++m) {
-            const uint16_t* xr = x + m * K + c * 64;
-            dot[m][0] = _mm512_dpbf16_ps(dot[m][0], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xr));
-            dot[m][1] = _mm512_dpbf16_ps(dot[m][1], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+  const int64_t tiles = a.N / 16, per_item = M == 1 ? 1 : 2;
+  const bool buffered = M >= kInt4BufferedRows;
+  at::parallel_for(0, (tiles + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> buf(buffered ? a.kpairs * 32 : 0);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t0 = item * per_item, n = std::min(per_item, tiles - t0);
+      if (M == 1) {
+        int4_tiles<1, 1, 2>(a, 0, t0, 16, table);
+      } else if (buffered && n == 2) {
+        const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+        const uint8_t* codes = a.codes + t0 * a.tile_bytes();
+        for (int64_t q = 0; q < a.kpairs / 2; ++q) {
+          for (int t = 0; t < 2; ++t) {
+            const __m512i w = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * a.tile_bytes() + q * 32)));
+            _mm512_storeu_si512(buf.data() + (2 * q) * 32 + 16 * t,
+                                _mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), table));
+            _mm512_storeu_si512(buf.data() + (2 * q + 1) * 32 + 16 * t,
+                                _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
           }
         }
-        const __m512 s = broadcast_bf16_low(p[g]);
-        const int j = A == 4 ? 2 * (g & 1) : 0;
-        for (int m = 0; m < M; ++m) {
-          acc[m][j] = _mm512_fmadd_ps(dot[m][0], s, acc[m][j]);
-          acc[m][j + 1] = _mm512_fmadd_ps(dot[m][1], s, acc[m][j + 1]);
+        for (int64_t m0 = 0; m0 < M; m0 += kInt4BufferRows) {
+          with_rows_up_to_8(std::min(kInt4BufferRows, M - m0), [&](auto r) {
+            int4_tiles<decltype(r)::value, 2, 1, true>(a, m0, t0, 32, table, buf.data());
+          });
+        }
+      } else {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            if (n == 2) {
+              int4_tiles<R, 2, (R <= 2 ? 2 : 1)>(a, m0, t0, 32, table);
+            } else {
+              int4_tiles<R, 1, 2>(a, m0, t0, 16, table);
+            }
+          });
         }
       }
     }
-    // + sum over groups of min * (sum of the group's x), 16 groups at a time
-    for (int64_t g = 0; g < groups; g += 16) {
-      const __mmask16 k = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (groups - g)) - 1);
-      const __m512 mins = _mm512_castsi512_ps(_mm512_and_si512(_mm512_maskz_loadu_epi32(k, p + g), high_half));
-      for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(k, xs + m * groups + g), acc[m][0]);
-    }
-    for (int m = 0; m < M; ++m) {
-      __m512 total = _mm512_add_ps(acc[m][0], acc[m][1]);
-      if constexpr (A == 4) total = _mm512_add_ps(total, _mm512_add_ps(acc[m][2], acc[m][3]));
-      y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(total));
-    }
-  }
+  });
 }
 
 // For each output row n in [begin, end): M dot products over `steps` steps, step(n, i, acc, j)
@@ -192,7 +263,7 @@ void for_output_rows(int64_t M, int64_t N, const Rows& rows) {
   });
 }
 
-// Many rows (int8_gemm, int4_gemm): output channels in panels of 32. A panel's weights widen
+// Many rows (int8_gemm): output channels in panels of 32. A panel's weights widen
 // once to bf16 in the order vdpbf16ps wants them, buf[kp * 32 + j] = (w[j][2kp], w[j][2kp + 1])
 // (16 channels' pairs transposed in registers); then every block of up to 8 rows of x runs over
 // it, one x pair broadcast per row and step, 8 x 2 accumulators.
@@ -324,9 +395,6 @@ void check_matmul_args(const char* kernel, const at::Tensor& x, std::initializer
 // The AVX-512 BF16 few-row kernels take 1-4 rows (int4_linear any number); the AVX2 ones any
 // number (4 at a time).
 constexpr int64_t kFewRowsMax = tokenmill::kAvx512Bf16Built ? 4 : 0;
-// int4_linear above 4 rows: output channels per span that every block of 4 rows runs over before
-// the next span (64 channels of K = 8960 are 280 KB of codes: they stay in L2).
-constexpr int64_t kInt4RowSpan = 64;
 
 // An entry point of a level without the kernel (check_matmul_args has refused the call already).
 at::Tensor not_built(const char* kernel) {
@@ -339,27 +407,33 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
   return x.to(tokenmill::kAvx512Bf16Built ? at::kBFloat16 : at::kFloat);
 }
 
-// int4_linear's and int4_gemm's weight: packed [N, K/2] uint8, pairs [N, K/group_size, 2] bf16.
-void check_int4_weight(int64_t K, int64_t N, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+// int4_linear's and int4_gemm's weight. AVX-512 BF16: packed [N/16, K/4, 32] uint8 and pairs
+// [N/16, K/group_size, 32] bf16 (the tiled layout above); AVX2: packed [N, K/2] uint8 and pairs
+// [N, K/group_size, 2] bf16 (cpu_gemv_avx2.cpp). Returns N.
+int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
+  if (tokenmill::kAvx512Bf16Built) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K / 4 && packed.size(2) == 32,
+                "packed: uint8 [N/16, K/4, 32]");
+    TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
+                    pairs.size(1) == K / group_size && pairs.size(2) == 32,
+                "pairs: bf16 [N/16, K/group_size, 32]");
+    return packed.size(0) * 16;
+  }
+  const int64_t N = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == K / 2, "packed: uint8 [N, K/2]");
   TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == N &&
                   pairs.size(1) == K / group_size && pairs.size(2) == 2,
               "pairs: bf16 [N, K/group_size, 2]");
+  return N;
 }
 
-}  // namespace
-
-// x [M, K] bf16 contiguous, M >= 1 (4 rows at a time); packed [N, K/2] uint8 (chunk layout
-// above); pairs [N, K/group_size, 2] bf16 (scale, min) contiguous; group_size 32 or a multiple of 64, K a
-// multiple of 64. Returns y [M, N] bf16.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  check_matmul_args("int4_linear", x, {&packed, &pairs}, 0);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  check_int4_weight(K, N, packed, pairs, group_size);
 #if defined(TOKENMILL_AVX512_BF16)
-  const int64_t groups = K / group_size;
+// int4_linear and int4_gemm at this level: one kernel for every row count.
+at::Tensor int4_avx512(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size,
+                       int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / group_size;
   const at::Tensor xk = as_kernel_dtype(x);
   at::Tensor y = at::empty({M, N}, xk.options());
   const c10::BFloat16* xb = xk.data_ptr<c10::BFloat16>();
@@ -374,32 +448,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       xs[m * groups + g] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
-  const auto* x16 = reinterpret_cast<const uint16_t*>(xb);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
-  at::BFloat16* out = y.data_ptr<at::BFloat16>();
-  // Any number of rows, up to 8 at a time over each span of kInt4RowSpan output channels, so
-  // that the span's weights are read from memory once and from cache by the later row blocks.
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += kInt4RowSpan) {
-      const int64_t n1 = std::min(end, n0 + kInt4RowSpan);
-      for (int64_t m0 = 0; m0 < M;) {
-        const int64_t rows = std::min<int64_t>(8, M - m0);
-        const auto run = [&](auto m) {
-          int4_rows<decltype(m)::value>(x16 + m0 * K, xs.data() + m0 * groups, w, p, out + m0 * N, K, N, groups,
-                                        group_size, n0, n1);
-        };
-        switch (rows) {
-          case 8: run(std::integral_constant<int, 8>{}); break;
-          case 7: run(std::integral_constant<int, 7>{}); break;
-          case 6: run(std::integral_constant<int, 6>{}); break;
-          case 5: run(std::integral_constant<int, 5>{}); break;
-          default: tokenmill::with_row_count(rows, run); break;
-        }
-        m0 += rows;
-      }
-    }
-  });
+  const Int4Tiles a{reinterpret_cast<const uint32_t*>(xb), xs.data(), packed.data_ptr<uint8_t>(),
+                    reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, groups, group_size / 4, N};
+  int4_tiled_matmul(a, M);
+  return y;
+}
+#endif
+
+}  // namespace
+
+// x [M, K] (bf16 at AVX-512 BF16, fp32 at AVX2) contiguous, any M >= 1; packed and pairs in the
+// level's layout (check_int4_weight); group_size 32 or a multiple of 64, K a multiple of 64.
+// Returns y [M, N] in x's dtype. At AVX-512 BF16: exact products of x with the codes, fp32 sums,
+// each group's scale and min applied in fp32, one rounding.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+  check_matmul_args("int4_linear", x, {&packed, &pairs}, 0);
+  const int64_t N = check_int4_weight(x.size(1), packed, pairs, group_size);
+#if defined(TOKENMILL_AVX512_BF16)
+  const at::Tensor y = int4_avx512(x, packed, pairs, group_size, N);
 #elif defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int4_linear(as_kernel_dtype(x), packed, pairs, group_size);
 #else
@@ -491,38 +558,15 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y.to(x.scalar_type());
 }
 
-// x [M, K] bf16 contiguous, any M >= 1; packed and pairs as int4_linear's. Returns y [M, N] bf16:
-// each weight q * scale + min rounded once to bf16 (as a bf16 model's weight is), exact
-// products with x, fp32 sums, one rounding. For many rows (Int4Linear from INT4_GEMM_MIN_ROWS),
-// where `_weight_int4pack_mm_for_cpu` is compute-bound at about half a bf16 matmul's speed.
+// As int4_linear: at AVX-512 BF16 the same kernel; at AVX2 the many-row one (cpu_gemv_avx2.cpp:
+// fp32 weight panels), which Int4Linear takes above the few-row kernel's rows.
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   check_matmul_args("int4_gemm", x, {&packed, &pairs}, 0);
-  const int64_t K = x.size(1), N = packed.size(0);
-  check_int4_weight(K, N, packed, pairs, group_size);
-  const at::Tensor xk = as_kernel_dtype(x);
+  const int64_t N = check_int4_weight(x.size(1), packed, pairs, group_size);
 #if defined(TOKENMILL_AVX512_BF16)
-  at::Tensor y = at::empty({x.size(0), N}, xk.options());
-  const int64_t groups = K / group_size;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
-  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  panel_gemm(xk, N, c10::nullopt, c10::nullopt, y, [&](int64_t j, int64_t k, bool) {
-    // the group's 16 possible weights, v * scale + min rounded to bf16, as a lookup table
-    const uint32_t pair = p[j * groups + k / group_size];
-    const __m512i table = _mm512_castsi256_si512(
-        (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, broadcast_bf16_low(pair), broadcast_bf16_low(pair >> 16))));
-    // codes k .. k + 31: the low nibbles of their 64-code chunk's 32 bytes, or the high ones
-    const __m512i bytes =
-        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * (K / 2) + (k / 64) * 32)));
-    return _mm512_permutexvar_epi16(k % 64 == 0 ? _mm512_and_si512(bytes, low_nibble) : _mm512_srli_epi16(bytes, 4),
-                                    table);
-  }, [&](int64_t n0, int64_t rows) {
-    prefetch_bytes(w + n0 * (K / 2), rows * (K / 2));
-    prefetch_bytes(p + n0 * groups, rows * groups * 4);
-  });
+  const at::Tensor y = int4_avx512(x, packed, pairs, group_size, N);
 #elif defined(TOKENMILL_AVX2)
-  const at::Tensor y = tokenmill::avx2::int4_gemm(xk, packed, pairs, group_size);
+  const at::Tensor y = tokenmill::avx2::int4_gemm(as_kernel_dtype(x), packed, pairs, group_size);
 #else
   const at::Tensor y = not_built("int4_gemm");
 #endif

@@ -27,8 +27,8 @@ bool native_bf16();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
-// cpu_gemv.cpp: int8 / int4 weights x bf16 at any number of rows (Int8Linear above its max_rows,
-// Int4Linear from INT4_GEMM_MIN_ROWS).
+// cpu_gemv.cpp: int8 / int4 weights at any number of rows (Int8Linear above its max_rows; Int4Linear
+// above the few-row kernel's rows at AVX2, where int4_linear and int4_gemm differ).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);

@@ -23,8 +23,8 @@ and int8 layers run matmuls of 1-3 rows — decode steps of a few requests — w
 `bf16_linear` / `int8_linear` (csrc/cpu_gemv.cpp), which read the weight at close to memory
 speed where PyTorch's kernels do not (1.3-1.6x on the default model's matrices at 1 row); more
 rows keep PyTorch's kernels, except many rows of int8 (above `max_rows`: `int8_gemm`), at a bf16
-matmul's speed. The int4 layer runs tokenmill's kernels at every row count: `int4_linear` below
-`INT4_GEMM_MIN_ROWS` rows, `int4_gemm` from there.
+matmul's speed. The int4 layer runs tokenmill's `int4_linear` at every row count (one kernel over
+a layout of its own, without PyTorch's packed copy).
 """
 
 from __future__ import annotations
@@ -41,13 +41,9 @@ from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_ro
 # The most rows the few-row kernels take here and in the DecoderStack at avx512_bf16. At 4 rows
 # int4_linear is on par with PyTorch's kernel.
 KERNEL_MAX_ROWS = 3
-# From how many rows Int4Linear runs `int4_gemm` (here and in the DecoderStack) at avx512_bf16,
-# `int4_linear` below. Over the default model's 120 layer matrices on 2 cores, against PyTorch's
-# int4 kernel: int4_gemm 0.79x at 16 rows, 1.03x at 24, 1.18x at 32, 1.38x at 40 (below, its
-# per-panel widening of the codes is not paid back); int4_linear (up to 8 rows at a time over
-# each span of output channels) 1.04-1.6x from 4 to 32 rows; the two meet at ~28 rows (the same
-# on Qwen2.5-1.5B's matrices, where int4_linear is 1.01-1.11x PyTorch's).
-INT4_GEMM_MIN_ROWS = 28
+# At avx512_bf16 `int4_linear` takes every row count (one kernel over the tiled layout,
+# csrc/cpu_gemv.cpp); the row rule then never reaches `int4_gemm`.
+ANY_ROWS = 1 << 62
 # At avx2/avx512 the few-row kernels (int8 activations, memory-bound) run up to this many rows and
 # the fp32 panel kernels (int8_gemm, int4_gemm) above; PyTorch's bf16 kernels never (without
 # native bf16 they are many times slower than either).
@@ -55,9 +51,10 @@ AVX2_KERNEL_MAX_ROWS = 8
 
 
 def kernel_rows(kernels) -> tuple[int, int]:
-    """(the most rows for the few-row kernels, the fewest for int4_gemm) of a kernels module."""
+    """(the most rows for the few-row kernels, the fewest for the many-row ones) of a kernels
+    module (at avx512_bf16 Int8Linear's many-row rule is its own `max_rows`)."""
     if kernels.native_bf16():
-        return KERNEL_MAX_ROWS, INT4_GEMM_MIN_ROWS
+        return KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1
     return AVX2_KERNEL_MAX_ROWS, AVX2_KERNEL_MAX_ROWS + 1
 
 
@@ -65,7 +62,7 @@ def int4_kernel_rows(kernels) -> tuple[int, int]:
     """(the most rows for int4_linear, the fewest for int4_gemm) of a kernels module: the two
     cover every row count."""
     if kernels.native_bf16():
-        return INT4_GEMM_MIN_ROWS - 1, INT4_GEMM_MIN_ROWS
+        return ANY_ROWS, ANY_ROWS + 1
     return kernel_rows(kernels)
 
 
@@ -189,12 +186,13 @@ class Int4Linear(QuantizedLinear):
     """Weight-only int4, asymmetric groups (`_weight_int4pack_mm_for_cpu`, bf16 activations).
 
     With `kernels` (the compiled CPU kernels, avx2 and up) and a shape they take (in_features a
-    multiple of 64; group size 32 or a multiple of 64), every matmul runs tokenmill's kernels
-    instead, on the codes in their own layout and (scale, min) as bf16 pairs, and PyTorch's
-    packed copy is not made: `kernels.int4_linear` up to `int4_kernel_rows` (csrc/cpu_gemv.cpp;
-    at avx512_bf16 over the default model's 120 matrices on 2 cores 1.42x faster than PyTorch's
-    at 1 row, 1.13x at 2-3, 1.04-1.6x from 4 to 27), `kernels.int4_gemm` above (each panel of
-    32 output channels widened once to bf16 weights, then vdpbf16ps over every row).
+    multiple of 64; group size 32 or a multiple of 64; at avx512_bf16 out_features a multiple of
+    16), every matmul runs tokenmill's kernels instead, on the codes in their own layout, and
+    PyTorch's packed copy is not made. At avx512_bf16 one kernel takes every row count
+    (`kernels.int4_linear` over tiles of 16 output channels, `_tiled_int4_layout`; over the
+    default model's 120 matrices on 2 cores 1.16x the kernel it replaced at 1 row, 1.2-1.5x from
+    4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows); at avx2 `int4_linear` (int8
+    activations) up to `int4_kernel_rows` and `int4_gemm` (fp32 weight panels) above.
 
     On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
     shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
@@ -224,11 +222,15 @@ class Int4Linear(QuantizedLinear):
                 self.dense_weight = dequantize_int4(codes - 8, sz[..., 0].t(), sz[..., 1].t()).to(torch.bfloat16)
             return
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
-                and (self.group_size == 32 or self.group_size % 64 == 0)):
+                and (self.group_size == 32 or self.group_size % 64 == 0)
+                and (not kernels.native_bf16() or self.out_features % 16 == 0)):
             self.kernel = kernels
             self.kernel_max_rows, self.gemm_min_rows = int4_kernel_rows(kernels)
-            self.kernel_codes = _kernel_int4_layout(record["codes"])
-            self.kernel_pairs = torch.stack([scales, mins], dim=-1).to(torch.bfloat16).contiguous()
+            if kernels.native_bf16():
+                self.kernel_codes, self.kernel_pairs = _tiled_int4_layout(record["codes"], scales, mins)
+            else:
+                self.kernel_codes = _kernel_int4_layout(record["codes"])
+                self.kernel_pairs = torch.stack([scales, mins], dim=-1).to(torch.bfloat16).contiguous()
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
         else:
@@ -263,9 +265,28 @@ class Int4Linear(QuantizedLinear):
 _PACK_ROWS = 4096
 
 
+def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A record (codes uint8 [N, K/2], code 2i in byte i's low nibble; scales and mins [N, groups];
+    N a multiple of 16) in the avx512_bf16 kernels' tiled layout (csrc/cpu_gemv.cpp): codes
+    [N/16, K/4, 32], byte 2c + j of quad i = code(c, 4i + j) | code(c, 4i + 2 + j) << 4 for
+    channel c of the tile; pairs [N/16, groups, 32] bf16, the tile's 16 scales then its 16 mins."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    out = torch.empty(n // 16, k // 4, 32, dtype=torch.uint8)
+    for start in range(0, n, _PACK_ROWS):
+        part = codes[start : start + _PACK_ROWS]
+        tiles = part.shape[0] // 16
+        # [tile, c, i, h, j]: input channel 4i + 2h + j of channel c
+        nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, 16, k // 4, 2, 2)
+        quads = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [tile, c, i, j]
+        out[start // 16 : start // 16 + tiles] = quads.permute(0, 2, 1, 3).reshape(tiles, k // 4, 32)
+    groups = scales.shape[1]
+    per_tile = torch.cat([scales.reshape(n // 16, 16, groups), mins.reshape(n // 16, 16, groups)], dim=1)
+    return out, per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
+
+
 def _kernel_int4_layout(codes: torch.Tensor) -> torch.Tensor:
-    """Record codes (uint8 [N, K/2], code 2i in byte i's low nibble) in the compiled kernels'
-    layout: each 64-code chunk as 32 bytes, byte j = code j (low nibble) | code 32 + j (high)."""
+    """Record codes (uint8 [N, K/2], code 2i in byte i's low nibble) in the avx2 kernels' layout:
+    each 64-code chunk as 32 bytes, byte j = code j (low nibble) | code 32 + j (high)."""
     out = torch.empty_like(codes)
     for start in range(0, codes.shape[0], _PACK_ROWS):
         part = codes[start : start + _PACK_ROWS]
