@@ -117,6 +117,9 @@ async def one_request(run: Run, client: httpx.AsyncClient, rng: random.Random) -
     except httpx.TransportError as e:
         record["outcome"] = "transport_error"
         run.fail("transport_error", path=path, error=repr(e))
+    except (ValueError, KeyError, IndexError) as e:  # an answer that is not what the API promises
+        record["outcome"] = "bad_answer"
+        run.fail("bad_answer", path=path, error=repr(e))
     record["end"] = time.monotonic()
     run.records.append(record)
 
@@ -171,8 +174,13 @@ async def client_loop(run: Run, index: int, client: httpx.AsyncClient) -> None:
 
 async def golden(run: Run, client: httpx.AsyncClient) -> list[str]:
     async def one(prompt):
-        r = await client.post(run.url + "/v1/completions", timeout=run.request_timeout,
-                              json={"model": MODEL, "prompt": prompt, "max_tokens": GOLDEN_TOKENS, "temperature": 0})
+        try:
+            r = await client.post(run.url + "/v1/completions", timeout=run.request_timeout,
+                                  json={"model": MODEL, "prompt": prompt, "max_tokens": GOLDEN_TOKENS, "temperature": 0})
+        except httpx.HTTPError as e:
+            run.fail("no_answer" if isinstance(e, httpx.TimeoutException) else "transport_error", path="golden",
+                     error=repr(e))
+            return None
         run.records.append({"path": "golden", "stream": False, "hang_up": False, "status": r.status_code,
                             "outcome": "completed" if r.status_code == 200 else "error_status",
                             "finish_reason": r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else None})
