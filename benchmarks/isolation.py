@@ -6,7 +6,7 @@ shuffled order, with prefix caching and n-gram speculation on; the report counts
 whose tokens differ and where they first diverge. fp32 is expected to give 0 (the test asserts
 it); the other rows say how far batch invariance holds elsewhere.
 
-    python benchmarks/isolation.py [--configs fp32,fp32-no-kernels,bf16,bf16-no-kernels,bf16-int8-kv]
+    python benchmarks/isolation.py [--configs fp32,fp32-no-kernels,bf16,bf16-no-kernels,bf16-int8-kv,int4-as-stored,int8]
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ CONFIGS = {
     "bf16": dict(dtype="bfloat16"),
     "bf16-no-kernels": dict(dtype="bfloat16", cpu_kernels=False),
     "bf16-int8-kv": dict(dtype="bfloat16", kv_cache_dtype="int8"),
+    "int4-as-stored": dict(dtype="bfloat16", quantization="auto"),  # the GGUF file's Q4_1 codes
+    "int8": dict(dtype="bfloat16", quantization="int8"),
 }
 
 
 def measure(name: str, max_tokens: int) -> dict:
-    llm = LLM("smollm2-135m", quantization=None, kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
-              speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1,
-              speculative_ngram_max=3, speculative_max_running=8, **CONFIGS[name])
+    kwargs = {"quantization": None, **CONFIGS[name]}
+    llm = LLM("smollm2-135m", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, speculative_method="ngram",
+              num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3, speculative_max_running=8,
+              **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.monotonic()
     alone = {p: llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS}
