@@ -1,20 +1,14 @@
 """The generated parts of the docs match their sources, and the docs keep to what they describe."""
 
 import argparse
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_cli_reference_is_generated_from_the_current_parsers():
@@ -28,7 +22,7 @@ def test_every_flag_of_every_command_has_help_and_is_in_the_reference():
     from tokenmill.cli import build_parser
 
     reference = (REPO / "docs" / "cli.md").read_text()
-    for name, parser in _script("cli_reference").subcommands(build_parser(), "tokenmill"):
+    for name, parser in load_script("cli_reference").subcommands(build_parser(), "tokenmill"):
         assert f"## {name}\n" in reference
         for action in parser._actions:
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
@@ -39,14 +33,14 @@ def test_every_flag_of_every_command_has_help_and_is_in_the_reference():
 
 
 def test_benchmark_tables_are_generated_from_the_published_results():
-    m = _script("bench_tables")
+    m = load_script("bench_tables")
     for doc in m.DOCS:
         text = doc.read_text()
         assert m.regenerate(text) == text, f"{doc.name}: run `make docs`"
 
 
 def test_every_published_result_names_its_host_class_and_command():
-    m = _script("bench_tables")
+    m = load_script("bench_tables")
     names = [p.stem for p in sorted(m.PUBLISHED.glob("*.json"))]
     assert names
     shown = "".join(doc.read_text() for doc in m.DOCS)
@@ -57,7 +51,7 @@ def test_every_published_result_names_its_host_class_and_command():
 
 
 def test_a_script_report_becomes_a_table():
-    m = _script("bench_tables")
+    m = load_script("bench_tables")
     report = {"benchmark": "decode_latency", "date": "2026-01-01T00:00:00+00:00", "command": "decode_latency.py --configs int8",
               "config": {}, "machine": {"cpu_model": "X", "physical_cores": 2, "torch_threads": 2, "cpu_isa": "avx2"},
               "results": [{"engine": "tokenmill", "decode_tok_s": 89.84, "nested": {"a": 1}},

@@ -8,29 +8,18 @@ within its timeout, /health answers 200 afterwards and the same server process s
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.scripts import load_script
 from tests.serving import MODEL, ServerProcess
 
-REPO = Path(__file__).resolve().parents[2]
 MAX_EXAMPLES = 5  # per operation and mode: ~1,100 requests, most from the coverage phase
 SEED = 20240601
 GENERATING = ("POST /v1/completions", "POST /v1/chat/completions")
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz_api = _load("fuzz_api")
+fuzz_api = load_script("fuzz_api")
 
 
 @pytest.mark.slow
@@ -82,7 +71,7 @@ def test_summary_counts_and_fails_on_5xx_and_unanswered():
 
 
 def test_hooks_keep_generation_short():
-    hooks = _load("fuzz_hooks")
+    hooks = load_script("fuzz_hooks")
     body = {"max_tokens": 10**6, "n": 50, "min_tokens": 99, "prompt": ["a"] * 100}
     hooks._clip(body)
     assert body == {"max_tokens": hooks.MAX_TOKENS, "n": hooks.MAX_N, "min_tokens": hooks.MAX_TOKENS,

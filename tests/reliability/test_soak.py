@@ -8,28 +8,15 @@ for every request. `python scripts/soak.py` runs the same for an hour and plots 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
 from tests.serving import MODEL, ServerProcess
 
-REPO = Path(__file__).resolve().parents[2]
 DURATION, WARMUP = 120.0, 40.0
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load("soak")
+soak = load_script("soak")
 
 
 @pytest.mark.slow

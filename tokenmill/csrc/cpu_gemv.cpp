@@ -45,10 +45,6 @@ namespace {
 // the hardware prefetcher left them well below the bandwidth a plain stream reaches.
 constexpr int64_t kQuantPrefetchBytes = 8192;
 
-inline __m512 broadcast_bf16_low(uint32_t pair) {  // the low bf16 of a pair, as fp32 in every lane
-  return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair << 16)));
-}
-
 inline __m512 bf16x16_to_fp32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -70,12 +66,19 @@ struct Int4Tiles {
   int64_t tile_sm() const { return groups * 32; }
 };
 
+// One quad of a tile's codes (32 bytes at p) widened through `table`: lo = the 16 channels'
+// pairs (4i, 4i + 1), hi = their pairs (4i + 2, 4i + 3), as vdpbf16ps operands.
+inline void widen_int4_quad(const uint8_t* p, __m512i table, __m512i& lo, __m512i& hi) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), table);
+  hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+}
+
 // y[r, 16 t0 .. 16 (t0 + T)) for R rows of x from row m0, T tiles from tile t0 (cols: the valid
 // output channels of them); S accumulators per (row, tile) so that enough sums are in flight.
 // Buffered: the tiles' widened pairs from buf ([kpairs][16 T] pairs) instead of their codes.
 template <int R, int T, int S, bool Buffered = false>
 void int4_tiles(const Int4Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512i table, const uint32_t* buf = nullptr) {
-  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const uint32_t* x = a.x + m0 * a.kpairs;
   const uint8_t* codes = a.codes + t0 * a.tile_bytes();
   const uint16_t* sm = a.sm + t0 * a.tile_sm();
@@ -99,9 +102,7 @@ void int4_tiles(const Int4Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512
         } else {
           const uint8_t* p = codes + t * a.tile_bytes() + q * 32;
           _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes), _MM_HINT_T0);
-          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-          lo[t] = _mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), table);
-          hi[t] = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+          widen_int4_quad(p, table, lo[t], hi[t]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -163,16 +164,13 @@ void int4_tiled_matmul(const Int4Tiles& a, int64_t M) {
       if (M == 1) {
         int4_tiles<1, 1, 2>(a, 0, t0, 16, table);
       } else if (buffered && n == 2) {
-        const __m512i low_nibble = _mm512_set1_epi16(0x0F);
         const uint8_t* codes = a.codes + t0 * a.tile_bytes();
         for (int64_t q = 0; q < a.kpairs / 2; ++q) {
           for (int t = 0; t < 2; ++t) {
-            const __m512i w = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + t * a.tile_bytes() + q * 32)));
-            _mm512_storeu_si512(buf.data() + (2 * q) * 32 + 16 * t,
-                                _mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), table));
-            _mm512_storeu_si512(buf.data() + (2 * q + 1) * 32 + 16 * t,
-                                _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+            __m512i lo, hi;
+            widen_int4_quad(codes + t * a.tile_bytes() + q * 32, table, lo, hi);
+            _mm512_storeu_si512(buf.data() + (2 * q) * 32 + 16 * t, lo);
+            _mm512_storeu_si512(buf.data() + (2 * q + 1) * 32 + 16 * t, hi);
           }
         }
         for (int64_t m0 = 0; m0 < M; m0 += kInt4BufferRows) {
@@ -321,17 +319,7 @@ void panel_all_rows(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t
   const auto block = [&](auto r) {
     panel_rows<decltype(r)::value>(x + m * kpairs, kpairs, buf, kpairs, scale, bias, y + m * N, N, cols);
   };
-  for (; m + 8 <= M; m += 8) block(std::integral_constant<int, 8>{});
-  switch (M - m) {
-    case 7: block(std::integral_constant<int, 7>{}); break;
-    case 6: block(std::integral_constant<int, 6>{}); break;
-    case 5: block(std::integral_constant<int, 5>{}); break;
-    case 4: block(std::integral_constant<int, 4>{}); break;
-    case 3: block(std::integral_constant<int, 3>{}); break;
-    case 2: block(std::integral_constant<int, 2>{}); break;
-    case 1: block(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  for (; m < M; m += 8) with_rows_up_to_8(std::min<int64_t>(8, M - m), block);
 }
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {

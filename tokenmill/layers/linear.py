@@ -38,8 +38,7 @@ from tokenmill.layers.cpu_isa import host_isa, onednn_bf16, onednn_int8_exact
 from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_rows_int8, unpack_int4
 
 
-# The most rows the few-row kernels take here and in the DecoderStack at avx512_bf16. At 4 rows
-# int4_linear is on par with PyTorch's kernel.
+# The most rows the bf16 and int8 few-row kernels take here and in the DecoderStack at avx512_bf16.
 KERNEL_MAX_ROWS = 3
 # At avx512_bf16 `int4_linear` takes every row count (one kernel over the tiled layout,
 # csrc/cpu_gemv.cpp); the row rule then never reaches `int4_gemm`.
