@@ -26,7 +26,9 @@ test-core: setup
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
 
-# the flag reference (docs/cli.md) from the argparse parsers, the benchmark tables from benchmarks/published/
+# the flag reference (docs/cli.md) from the argparse parsers, the benchmark tables from benchmarks/published/,
+# the tables of docs/scaling.md from their formulas
 docs: setup
 	$(PY) scripts/cli_reference.py
 	$(PY) scripts/bench_tables.py
+	$(PY) scripts/scaling_tables.py --write

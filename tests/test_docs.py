@@ -32,6 +32,18 @@ def test_every_flag_of_every_command_has_help_and_is_in_the_reference():
                 assert re.search(re.escape(option) + r"\b", reference), f"{name} {option} not in docs/cli.md"
 
 
+def test_scaling_tables_are_generated_from_their_formulas():
+    m = load_script("scaling_tables")
+    text = m.DOC.read_text()
+    assert text.count("<!-- scaling-table: ") == len(m.TABLES)
+    assert m.regenerate(text) == text, "docs/scaling.md: run `make docs`"
+    # one figure by hand: Llama-3-70B, TP=8, one decode token on NVLink: 2L all-reduces of h x 2 bytes
+    link = m.LINKS[0]
+    assert m.LLAMA3_70B.tp_bytes_per_token == 2 * 80 * 8192 * 2
+    assert link.allreduce_seconds(8192 * 2, 8) == 5e-6 + 2 * 7 / 8 * 16384 / 450e9
+    assert m.LLAMA3_8B.params == 8_030_261_248  # Llama-3-8B's published parameter count
+
+
 def test_benchmark_tables_are_generated_from_the_published_results():
     m = load_script("bench_tables")
     for doc in m.DOCS:

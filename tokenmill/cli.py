@@ -26,6 +26,19 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
 
 
+def _runs_worker_node(config) -> bool:
+    """With the model split over ranks, a process that holds no rank 0 (a node other than the
+    first, a torchrun rank other than 0) runs its ranks until rank 0 stops them; True if it did."""
+    if config.world_size == 1:
+        return False
+    from tokenmill.executor import holds_rank_zero, run_node
+
+    if holds_rank_zero(config):
+        return False
+    run_node(config)
+    return True
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tokenmill import LLM, SamplingParams
 
@@ -37,7 +50,10 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
         stop=args.stop, ignore_eos=args.ignore_eos,
     )
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    config = engine_config_from_args(args)
+    if _runs_worker_node(config):
+        return 0
+    llm = LLM(**dataclasses.asdict(config))
     if args.stream and len(args.prompt) == 1 and not args.chat:
         for out in llm.stream(args.prompt, params):
             print(out.outputs[0].delta_text, end="", flush=True)
@@ -57,9 +73,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    engine_config, server_config = engine_config_from_args(args), server_config_from_args(args)
+    if _runs_worker_node(engine_config):
+        return 0
+    if server_config.data_parallel_size > 1:
+        from tokenmill.entrypoints.data_parallel import run_data_parallel
+
+        return run_data_parallel(engine_config, server_config, log_level=args.log_level)
     from tokenmill.entrypoints.openai.api_server import run_server
 
-    return run_server(engine_config_from_args(args), server_config_from_args(args), log_level=args.log_level)
+    return run_server(engine_config, server_config, log_level=args.log_level)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -126,6 +126,18 @@ class EngineConfig:
     # verifying drafts costs more than it saves).
     speculative_adaptive: bool = True
     speculative_max_running: int = 2
+    # One model over several ranks (executor/, distributed/): tensor parallelism splits every
+    # layer's heads and MLP over tensor_parallel_size ranks (one all-reduce per sublayer),
+    # pipeline parallelism its layers into pipeline_parallel_size stages (micro-batches in
+    # flight). The ranks are processes: gloo on CPU, NCCL on CUDA. On one machine the engine
+    # spawns them; across machines each of nnodes runs the same command with its node_rank, rank 0
+    # (node 0) at master_addr:master_port (None: a free port on one machine, 29500 across several).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # Testing only: a fault the engine injects into its own step (engine/faults.py:
     # "raise@step=N" or "stall@step=N:seconds=S"). The CLI reads it from the
     # TOKENMILL_FAULT_INJECT environment variable at start-up; there is no flag.
@@ -180,6 +192,21 @@ class EngineConfig:
         _check_min("speculative_ngram_min", self.speculative_ngram_min, 1)
         _check_min("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
         _check_min("speculative_max_running", self.speculative_max_running, 1)
+        _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_min("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_min("nnodes", self.nnodes, 1)
+        if not (isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes):
+            raise ConfigError("node_rank", f"must be in 0..nnodes-1 ({self.nnodes - 1}), got {self.node_rank!r}")
+        if self.world_size % self.nnodes:
+            raise ConfigError("nnodes", f"{self.nnodes} nodes cannot share {self.world_size} ranks evenly "
+                              "(tensor_parallel_size x pipeline_parallel_size)")
+        if self.world_size > 1 and self.speculative_method == "draft":
+            raise ConfigError("speculative_method", "a draft model does not run split over ranks; use ngram")
+        if self.world_size > 1 and self.quantization_algorithm != "rtn":
+            raise ConfigError("quantization_algorithm", f"{self.quantization_algorithm} calibrates one process's model; "
+                              "a model split over ranks takes rtn")
+        if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            raise ConfigError("master_port", f"must be a TCP port 1..65535 or None, got {self.master_port!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError("block_size", f"must be a power of two, got {self.block_size}")
         if self.fault_injection is not None:
@@ -187,6 +214,11 @@ class EngineConfig:
                 FaultPlan.parse(self.fault_injection)
             except ValueError as e:
                 raise ConfigError("fault_injection", str(e)) from None
+
+    @property
+    def world_size(self) -> int:
+        """The ranks one model is split over."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

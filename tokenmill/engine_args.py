@@ -64,6 +64,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_calibration_args(parser)
     parser.add_argument("--num-threads", type=int, default=d.num_threads,
                         help="CPU threads for torch (default: number of physical cores)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="split every layer's attention heads, MLP and the vocabulary over this many ranks (processes; "
+                             "gloo on CPU, NCCL on CUDA), one all-reduce per sublayer; the CPU threads are shared between "
+                             f"the ranks of a machine (default: {d.tensor_parallel_size})")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                        help="split the layers into this many stages (processes), each step's batch cut into micro-batches "
+                             f"so the stages overlap (default: {d.pipeline_parallel_size})")
+    parser.add_argument("--nnodes", type=int, default=d.nnodes,
+                        help="machines the ranks are spread over; every machine runs the same command with its own "
+                             f"--node-rank (default: {d.nnodes})")
+    parser.add_argument("--node-rank", type=int, default=d.node_rank,
+                        help="this machine's index among --nnodes; node 0 runs rank 0 and the server, the others only "
+                             f"workers (default: {d.node_rank})")
+    parser.add_argument("--master-addr", default=d.master_addr,
+                        help=f"address of node 0, where the ranks meet (default: {d.master_addr})")
+    parser.add_argument("--master-port", type=int, default=d.master_port,
+                        help="TCP port on node 0 where the ranks meet (default: a free port on one machine, 29500 across "
+                             "several)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
                         help="longest prompt + output per request (default: the model's context length)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV-cache block (default: {d.block_size})")

@@ -297,7 +297,7 @@ def test_every_bench_flag_is_in_the_help_and_the_cli_reference():
     reference = (REPO / "docs" / "cli.md").read_text()
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     commands = bench._subparsers._group_actions[0].choices
-    assert set(commands) == {"serve", "sweep", "plot"}
+    assert set(commands) == {"serve", "sweep", "plot", "simulate"}
     for name, parser in commands.items():
         section = reference[reference.index(f"## tokenmill bench {name}\n"):]
         section = section[:section.index("\n## ")] if "\n## " in section else section

@@ -1,4 +1,4 @@
-"""The `tokenmill bench serve|sweep|plot` flags. Standard library only: `tokenmill --help` imports
+"""The `tokenmill bench serve|sweep|plot|simulate` flags. Standard library only: `tokenmill --help` imports
 this module, and the commands import the rest of the package (httpx, numpy, matplotlib) when run."""
 
 from __future__ import annotations
@@ -106,8 +106,71 @@ def add_run_args(p: argparse.ArgumentParser, sweep: bool) -> None:
         g.add_argument("--title", default=None, help="plot title")
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    """The `simulate` flags (one per SimConfig field)."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default=None,
+                   help="JSONL file, one {\"time\": SECONDS, \"prompt_tokens\": N, \"output_tokens\": N} per line, "
+                        "replayed instead of the Poisson workload of the flags below")
+    g.add_argument("--num-requests", type=int, default=100, help="requests of the generated workload (default: 100)")
+    g.add_argument("--request-rate", type=_positive_float, default=math.inf,
+                   help="Poisson arrivals per second; inf (the default) sends every request at time 0")
+    g.add_argument("--input-len", default="256",
+                   help="prompt tokens, N | MIN:MAX (uniform) | normal:MEAN:STD | exp:MEAN (default: 256)")
+    g.add_argument("--output-len", default="128",
+                   help="output tokens (exact: EOS is ignored), same forms as --input-len (default: 128)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths (default: 0)")
+    g.add_argument("--save-trace", default=None, help="write the workload to this JSONL file (replay it with --trace)")
+
+    g = p.add_argument_group("replicas",
+                             "step time t = a + b * prefill tokens + c * decoding requests + d * keys the decodes "
+                             "attend to, in seconds; the replica flags default to the step-cost file's replica, "
+                             "else to the values shown")
+    g.add_argument("--num-replicas", type=int, default=1,
+                   help="engines behind a router that sends each request to the one with the fewest unfinished "
+                        "requests (default: 1)")
+    g.add_argument("--step-costs", default=None,
+                   help="JSON with \"coefficients\" {a, b, c, d} and optionally the \"replica\" they were measured "
+                        "on, as benchmarks/step_costs.py writes it")
+    g.add_argument("--step-a", type=_non_negative_float, default=None, help="seconds per step (overrides the file's a)")
+    g.add_argument("--step-b", type=_non_negative_float, default=None,
+                   help="seconds per prefill token (overrides the file's b)")
+    g.add_argument("--step-c", type=_non_negative_float, default=None,
+                   help="seconds per decoding request (overrides the file's c)")
+    g.add_argument("--step-d", type=_non_negative_float, default=None,
+                   help="seconds per key a decode attends to (overrides the file's d)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per replica (default: 4096)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
+    g.add_argument("--num-host-blocks", type=int, default=None,
+                   help="host blocks for swapping out preempted requests; 0 = recompute them (default: 0)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default: 128)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output accepted (default: the longest request of the workload)")
+
+    g = p.add_argument_group("report")
+    g.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report (default: 50,90,99)")
+    g.add_argument("--slo", default=None,
+                   help="SLOs for goodput, as for `bench serve`, e.g. ttft_p99=1s,tpot=50ms")
+    g.add_argument("--cost-per-hour", type=float, default=None,
+                   help="price of one replica in $ per hour: reports cost per request and per 1M output tokens")
+    g.add_argument("--label", default=None, help="name of this run in the table (default: N replicas)")
+    g.add_argument("--output", default=None,
+                   help="write the results, every request's samples included, to this JSON file")
+
+
 def add_bench_parsers(sub) -> None:
-    """Adds `tokenmill bench serve|sweep|plot` to the top-level subparsers."""
+    """Adds `tokenmill bench serve|sweep|plot|simulate` to the top-level subparsers."""
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (latency, throughput, goodput, cost)",
                            description="Load generator and report for any OpenAI-compatible server: TTFT, ITL, TPOT "
                                        "and E2E percentiles, throughput, goodput under SLOs, cost.")
@@ -128,6 +191,13 @@ def add_bench_parsers(sub) -> None:
     plot.add_argument("--labels", default=None, help="comma-separated series names, one per file (default: each file's label)")
     plot.add_argument("--title", default=None, help="plot title")
     plot.set_defaults(func=_plot)
+    simulate = commands.add_parser(
+        "simulate", help="replay a workload against N simulated replicas with measured step costs",
+        description="Replay an arrival trace (or Poisson arrivals) against N replicas, each the engine's own "
+                    "scheduler with a step-time cost model in place of the model, and report TTFT, ITL, E2E, "
+                    "throughput and cost as `bench serve` does.")
+    add_simulate_args(simulate)
+    simulate.set_defaults(func=_simulate)
 
 
 def _quiet_http_logs() -> None:
@@ -153,3 +223,9 @@ def _plot(args: argparse.Namespace) -> int:
     from tokenmill.bench.plot import main_plot
 
     return main_plot(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tokenmill.bench.simulate import main_simulate
+
+    return main_simulate(args)

@@ -11,11 +11,17 @@ ROWS = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2
 def format_run(result: dict) -> str:
     s = result["summary"]
     cfg = result["config"]
-    width = 72
-    rule = "-" * width
-    lines = [
+    header = [
         f"tokenmill bench serve: {result['label']}",
         f"{cfg['api']} · {cfg['dataset']} · {result['load']} · {cfg['base_url']} (model {cfg['model']})",
+    ]
+    return "\n".join(header + format_summary(s))
+
+
+def format_summary(s: dict) -> list[str]:
+    """The lines of a run's summary (`metrics.summarize`) below its header, ruled above and below."""
+    rule = "-" * 72
+    lines = [
         rule,
         _kv("requests", f"{s['num_sent']} sent, {s['completed']} ok, {s['failed']} failed"),
         _kv("duration", f"{s['duration_s']:.2f} s"),
@@ -43,7 +49,7 @@ def format_run(result: dict) -> str:
         lines.append(rule)
         lines += [f"error x{n}: {message}" for message, n in list(s["errors"].items())[:10]]
     lines.append(rule)
-    return "\n".join(lines)
+    return lines
 
 
 def format_sweep(sweep: dict) -> str:

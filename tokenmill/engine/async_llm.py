@@ -210,6 +210,7 @@ class AsyncLLM:
         logged = EngineStats()
         try:
             while not self._stop and self.dead_error is None:
+                engine.core.check_health()  # a rank that exited, even while idle
                 block = not engine.has_unfinished_requests()
                 self._apply_commands(engine, block)
                 if self._stop:
@@ -233,6 +234,8 @@ class AsyncLLM:
             self._step_started = None
             logger.exception("engine step failed; the engine is stopped")
             self._loop.call_soon_threadsafe(self._die, e)
+        finally:
+            engine.core.shutdown()
 
     async def _watch_steps(self, timeout: float) -> None:
         """Declare the engine dead when one step has run for more than `timeout` seconds."""

@@ -26,6 +26,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's other ranks when the model is split over several (they also end with
+        this process); the LLM cannot generate afterwards."""
+        self.engine.core.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -28,8 +28,10 @@ KVCache = tuple[torch.Tensor, ...]  # (key, value), or 4 tensors when quantized:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelArchConfig, layer: int, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 cpu_kernels=None):
+                 cpu_kernels=None, reduce=None):
+        """reduce: with tensor parallelism, the all-reduce that sums the ranks' partial o_proj outputs."""
         super().__init__()
+        self.reduce = reduce
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -72,7 +74,8 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         extra = {} if self.window is None and self.softcap is None else {"window": self.window, "softcap": self.softcap}
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_written=fused, **extra)  # [n, num_heads, head_dim]
-        return self.o_proj(o.reshape(n, self.q_size))
+        out = self.o_proj(o.reshape(n, self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 def activation(name: str):
@@ -83,8 +86,9 @@ def activation(name: str):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig, intermediate_size: int | None = None):
+    def __init__(self, config: ModelArchConfig, intermediate_size: int | None = None, reduce=None):
         super().__init__()
+        self.reduce = reduce  # as LlamaAttention's, for down_proj
         self.intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
@@ -92,7 +96,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MoEMLP(nn.Module):
@@ -141,18 +146,18 @@ class MoEMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer: int, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 cpu_kernels=None):
+                 cpu_kernels=None, reduce=None):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, cpu_kernels)
-        self.self_attn = LlamaAttention(config, layer, rotary, backend, cpu_kernels)
+        self.self_attn = LlamaAttention(config, layer, rotary, backend, cpu_kernels, reduce)
         self.post_attention_layernorm = RMSNorm(hidden, eps, cpu_kernels)
         # Gemma: post_attention_layernorm normalizes the attention output; these the MLP's input and output.
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, cpu_kernels)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, cpu_kernels)
-        self.mlp = MoEMLP(config) if config.num_experts else LlamaMLP(config)
+        self.mlp = MoEMLP(config) if config.num_experts else LlamaMLP(config, reduce=reduce)
 
     def forward(self, cos_sins, x, kv_cache: KVCache, meta) -> torch.Tensor:
         if self.pre_feedforward_layernorm is not None:
@@ -180,23 +185,30 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_position: int, dtype: torch.dtype,
-                 cpu_kernels=None):
+                 cpu_kernels=None, parallel=None, shard=None):
         """cpu_kernels: the compiled CPU kernels module (`layers.cpu_kernels.load()`) for the norms
         and the rotary embedding + KV store, or None for PyTorch ops; the attention backend brings
-        its own."""
+        its own. parallel, shard: this rank's `distributed.ParallelGroup` and `ShardPlan` when the
+        model is split over ranks; `config` is then the rank's own shape (`ShardPlan.local_config`),
+        and with tensor parallelism the embedding and LM head hold the rank's rows of the vocabulary."""
         super().__init__()
         self.config = config
+        tp = parallel is not None and parallel.tp_size > 1
+        reduce = parallel.all_reduce if tp else None
+        self.parallel = parallel if tp else None  # for the vocabulary-parallel embedding and head
+        self.vocab = shard.vocab_range() if tp else range(config.vocab_size)
+        self.vocab_widths = shard.vocab_widths if tp else [config.vocab_size]
         self.attn_backend = backend  # every layer's; its build_metadata makes the step's `meta`
         self.rotary = rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling, dtype)
         # Sliding layers with their own RoPE base (Gemma 3) rotate with a second table.
         self.local_rotary = None
         if config.local_rope_theta is not None:
             self.local_rotary = RotaryEmbedding(config.head_dim, max_position, config.local_rope_theta, None, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary, backend, cpu_kernels)
+        self.embed_tokens = nn.Embedding(len(self.vocab), config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary, backend, cpu_kernels, reduce)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, len(self.vocab), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # The compiled DecoderStack (enable_cpu_decoder) for the steps it takes (_stack_takes), or None.
@@ -204,19 +216,27 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns the final hidden states [num_tokens, hidden]."""
-        x = self.embed(input_ids)
+        return self.norm(self.run_layers(self.embed(input_ids), positions, kv_caches, meta))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta) -> torch.Tensor:
+        """Every decoder layer of this model (of this pipeline stage) over x [num_tokens, hidden]."""
         if self.cpu_decoder is not None and self._stack_takes(meta, x.dtype, kv_caches):
-            x = self.cpu_decoder.forward(x, *self.rotary.lookup(positions), meta.slot_mapping, meta.decode_block_tables,
-                                         meta.decode_seq_lens, kv_caches, meta.prefill_kernel_args)
-        else:
-            cos_sins = self.rope_rows(positions)
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(cos_sins, x, kv_cache, meta)
-        return self.norm(x)
+            return self.cpu_decoder.forward(x, *self.rotary.lookup(positions), meta.slot_mapping, meta.decode_block_tables,
+                                            meta.decode_seq_lens, kv_caches, meta.prefill_kernel_args)
+        cos_sins = self.rope_rows(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(cos_sins, x, kv_cache, meta)
+        return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The first layer's input [num_tokens, hidden]."""
-        x = self.embed_tokens(input_ids)
+        """The first layer's input [num_tokens, hidden]. Split by vocabulary, each rank looks up the
+        ids in its rows (zeros for the others') and the all-reduce adds them up."""
+        if self.parallel is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.vocab.start
+            outside = (local < 0) | (local >= len(self.vocab))
+            x = self.parallel.all_reduce(self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0))
         if self.config.embedding_multiplier != 1.0:  # rounded to the model dtype first, as Gemma's reference does
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         return x
@@ -244,10 +264,11 @@ class LlamaForCausalLM(nn.Module):
         model on the CPU, converted to its final linears, whose attention backend decodes with
         `kernels` (TorchAttentionBackend's decode kernel). False, and nothing changes, when a
         linear has no compiled form (w8a8, fp8) or the family's layer is not Llama's (q/k norms,
-        GeGLU, sandwich norms, soft-capping, a second RoPE base, experts)."""
+        GeGLU, sandwich norms, soft-capping, a second RoPE base, experts), nor with tensor
+        parallelism (its all-reduces sit between the layers' ops)."""
         c = self.config
         if (c.qk_norm or c.hidden_act != "silu" or c.sandwich_norms or c.attn_logit_softcap is not None
-                or c.local_rope_theta is not None or c.num_experts):
+                or c.local_rope_theta is not None or c.num_experts or self.parallel is not None):
             return False
         specs = []
         for layer in self.layers:
@@ -263,8 +284,11 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab] (soft-capped where the family caps them)."""
+        """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab] (soft-capped where the family caps them);
+        split by vocabulary, every rank gets all the ranks' columns."""
         logits = self.lm_head(hidden)
+        if self.parallel is not None:
+            logits = self.parallel.gather_columns(logits, self.vocab_widths)
         if (cap := self.config.final_logit_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

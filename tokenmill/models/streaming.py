@@ -35,13 +35,16 @@ _log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dtype: torch.dtype, qconfig=None,
-                   cpu_kernels=None) -> nn.Module:
+                   cpu_kernels=None, plan=None) -> nn.Module:
     """`build(device)` constructs the model there (models.build_model); its
     linears end quantized by round-to-nearest where `qconfig` (QuantConfig, algorithm "rtn")
     gives them a method, else DenseLinear in `dtype`; the model ends on `device`, in eval mode.
     With method AUTO each linear is what its GGUF tensors are stored as (`_stored_methods`):
-    int4 records of the file's own codes where every tensor of the linear is Q4_0/Q4_1/Q4_K."""
+    int4 records of the file's own codes where every tensor of the linear is Q4_0/Q4_1/Q4_K.
+    plan: this rank's `distributed.ShardPlan` when the model is split over ranks: each checkpoint
+    tensor is renamed into the rank's model and cut to the rows or columns it holds as it arrives."""
     model = build("meta")
+    local_name = (lambda name: name) if plan is None else plan.local_name
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     params = dict(model.named_parameters(remove_duplicate=False))
     embedding = "embed_tokens.weight"
@@ -52,7 +55,7 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     if qconfig is None:
         method_of = lambda name: None  # noqa: E731
     elif qconfig.method == AUTO:
-        methods, from_records = _stored_methods(model, params, checkpoint, linears)
+        methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name)
         method_of = methods.get
     else:
         method_of = qconfig.method_of
@@ -66,7 +69,8 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     # stays int4 (Int4Embedding: stored as a repacked type, loaded as stored).
     records: dict[str, dict[str, torch.Tensor]] = {}
     record_methods = {ckpt: method_of(linear) for ckpt in checkpoint.stored_types
-                      if (place := model._placement(params, ckpt.removeprefix("model.")))
+                      if (local := local_name(ckpt.removeprefix("model."))) is not None
+                      and (place := model._placement(params, local))
                       and (linear := owner.get(place[0])) in from_records}
     if qconfig is not None and qconfig.method == AUTO and \
             checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
@@ -128,7 +132,11 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         return ours, shard
 
     for ckpt_name, tensor in checkpoint.weights(records=record_methods):
-        name = ckpt_name.removeprefix("model.")
+        name = local_name(ckpt_name.removeprefix("model."))
+        if name is None:  # another pipeline stage's layer
+            continue
+        if plan is not None:
+            tensor = plan.local_part(name, tensor)
         if isinstance(tensor, dict):  # a record
             placed = _place_record(model, params, records, name, tensor)
         else:
@@ -161,15 +169,17 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     return model.eval()
 
 
-def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint,
-                    linears: dict[str, nn.Module]) -> tuple[dict[str, str | None], set[str]]:
+def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],
+                    local_name) -> tuple[dict[str, str | None], set[str]]:
     """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method; a
     mixture of experts' router and shared-expert gate stay dense), and the linears loaded from
-    records (int8 ones, int4 ones whose every tensor is of a repacked type)."""
+    records (int8 ones, int4 ones whose every tensor is of a repacked type). local_name: a
+    checkpoint name's in this rank's model, None for another pipeline stage's layer."""
     stored = checkpoint.stored_types
     types: dict[str, list[str]] = {name: [] for name in linears}
     for hf_name in expected_weight_shapes(checkpoint.config):
-        placement = model._placement(params, hf_name.removeprefix("model.")) if hf_name.endswith(".weight") else None
+        local = local_name(hf_name.removeprefix("model.")) if hf_name.endswith(".weight") else None
+        placement = model._placement(params, local) if local is not None else None
         if placement is not None and (linear := placement[0].removesuffix(".weight")) in types:
             types[linear].append(stored.get(hf_name, "F32"))
     if model.config.tie_word_embeddings:

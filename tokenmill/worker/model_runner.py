@@ -30,6 +30,8 @@ import torch
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenmill.distributed import ParallelGroup, ShardPlan
+from tokenmill.distributed.pipeline import pipeline_forward
 from tokenmill.layers.attention import BatchLayout
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, indexable
 from tokenmill.layers.cpu_isa import native_bf16
@@ -98,8 +100,16 @@ def _drop_grammar(state: CachedRequestState, token_ids: list[int]) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, device: str, dtype: str, max_model_len: int):
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, device: str, dtype: str, max_model_len: int,
+                 parallel: ParallelGroup | None = None):
+        """parallel: this rank's place when the model is split over ranks (executor/): the runner
+        then holds its part of the model and of every layer's KV cache, runs every step it is
+        given like the other ranks, and samples what they sample."""
         self.device = torch.device(device)
+        self.parallel = parallel
+        self.shard = None
+        if parallel is not None:  # (what cannot be split is refused by the config and the executor)
+            self.shard = ShardPlan(checkpoint.config, parallel.tp_size, parallel.tp_rank, parallel.pp_size, parallel.pp_rank)
         self.dtype = TORCH_DTYPES[dtype]
         # KV cache codes: the compute dtype, or int8 / fp8 with a float32 scale per token and head.
         self.kv_code_dtype = KV_CODE_DTYPES.get(config.kv_cache_dtype, self.dtype)
@@ -155,6 +165,8 @@ class ModelRunner:
         self.draft_kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.decode_graphs: DecodeGraphs | None = None
         self.num_blocks = self._num_kv_blocks(config)
+        if parallel is not None:  # every rank's cache holds its own heads: the scheduler's count fits them all
+            self.num_blocks = parallel.min_over_ranks(self.num_blocks)
         self.kv_caches = self._make_caches(self.model.config, self.num_blocks, self.device)
         self.draft_kv_caches = self._make_caches(self.draft_model.config, self.num_blocks, self.device) if self.draft_model else []
         # The host pool that preempted requests are swapped out to (pinned for fast copies on CUDA).
@@ -162,12 +174,15 @@ class ModelRunner:
             config.num_host_kv_blocks if config.num_host_kv_blocks is not None
             else self._blocks_for_budget(config.swap_space_gb) if config.swap_space_gb > 0 else 0
         )
+        if parallel is not None:
+            self.num_host_blocks = parallel.min_over_ranks(self.num_host_blocks)
         host = ([self._make_caches(m.config, self.num_host_blocks, "cpu", host_pool=True) for m in self.models]
                 if self.num_host_blocks else [[]])
         self.host_kv_caches = [layer for caches in host for layer in caches]
         # Decode-only steps replayed from CUDA graphs (worker/cuda_graphs.py): CUDA, the Triton
         # backend, no draft model (whose forward in execute_model reuses the eager step's inputs).
-        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager and self.draft_model is None:
+        if (self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager
+                and self.draft_model is None and parallel is None):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                                               self.block_size, max_model_len, self.device)
 
@@ -175,10 +190,12 @@ class ModelRunner:
         qconfig = QuantConfig.from_engine(config, checkpoint)
 
         def build(device: str = "cpu"):
-            return build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels, device)
+            return build_model(checkpoint, max_model_len, self.dtype, self.attention_backend, self.cpu_kernels, device,
+                               self.parallel, self.shard)
 
         if checkpoint.quantization is None and (qconfig is None or qconfig.algorithm == "rtn"):
-            return load_streaming(checkpoint, build, self.device, self.dtype, qconfig, self.cpu_kernels)
+            return load_streaming(checkpoint, build, self.device, self.dtype, qconfig, self.cpu_kernels, self.shard)
+        assert self.parallel is None, "a model split over ranks loads through load_streaming"
         model = build()
         if checkpoint.quantization is not None:  # written by `tokenmill quantize`
             if qconfig is not None:
@@ -435,6 +452,8 @@ class ModelRunner:
         layout = BatchLayout(bs, slots, decode_tables, decode_seq_lens, prefill_q_lens, prefill_seq_lens, prefill_tables)
         if self.decode_graphs is not None and not prefill_q_lens and self.decode_graphs.fits(len(input_ids)):
             hidden = self.decode_graphs.run(input_ids, positions, layout)
+        elif self.parallel is not None and self.parallel.pp_size > 1:
+            hidden = pipeline_forward(self.model, self.parallel, input_ids, positions, layout, self.kv_caches)
         else:
             meta = self.model.attn_backend.build_metadata(layout, dev)
             input_t = torch.tensor(input_ids, dtype=torch.long, device=dev)

@@ -95,8 +95,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(_BodySizeLimit, limit=config.max_request_body_bytes)
-    app.add_middleware(_HeaderLimit, max_bytes=config.max_header_bytes, max_count=config.max_header_count)
+    add_request_limits(app, config)
     app.openapi = lambda: _openapi(app)
 
     # -- errors ------------------------------------------------------------------------------------
@@ -256,6 +255,13 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def add_request_limits(app, config: ServerConfig) -> None:
+    """413 and 431 (OpenAI error bodies) for requests over the body and header limits (also the
+    data-parallel front end's, so that it answers them as one server does)."""
+    app.add_middleware(_BodySizeLimit, limit=config.max_request_body_bytes)
+    app.add_middleware(_HeaderLimit, max_bytes=config.max_header_bytes, max_count=config.max_header_count)
 
 
 class _BodySizeLimit:
@@ -513,12 +519,17 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def uvicorn_config(app, config: ServerConfig, log_level: str) -> uvicorn.Config:
+    """How the server (and the data-parallel front end) listens: `--host`/`--port`, the header
+    limits in the HTTP parser, a 5 s grace for open connections at shutdown."""
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
+                          timeout_graceful_shutdown=5, access_log=False, http=_H11Protocol,
+                          h11_max_incomplete_event_size=config.max_header_bytes + HEAD_SLACK_BYTES)
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info") -> int:
     app = build_app(engine_config, config)
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
-                               timeout_graceful_shutdown=5, access_log=False, http=_H11Protocol,
-                               h11_max_incomplete_event_size=config.max_header_bytes + HEAD_SLACK_BYTES)
-    server = _DrainingServer(uv_config, app.state.server, config.shutdown_timeout)
+    server = _DrainingServer(uvicorn_config(app, config, log_level), app.state.server, config.shutdown_timeout)
     server.run()
     if server.exit_code:
         # The engine thread may still be stuck inside a step: finalizing the interpreter around it

@@ -29,6 +29,8 @@ class ServerConfig:
     engine_step_timeout: float = 60.0
     log_stats_interval: float = 10.0
     chat_template: str | None = None  # a Jinja file used instead of the model's chat template
+    # Engine replicas behind one front end that routes by cached prefix and load (data_parallel.py).
+    data_parallel_size: int = 1
 
 
 def _positive_int(text: str) -> int:
@@ -67,6 +69,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds between engine stats log lines, 0 = off (default: {d.log_stats_interval:g})")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file to use instead of the model's own (e.g. one that supports tools)")
+    parser.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=d.data_parallel_size,
+                        help="engine replicas, each a whole server in its own process on 127.0.0.1 with "
+                             "--num-threads / N CPU threads (a GPU each when N are visible), behind one front end on "
+                             "--host/--port that sends each request to the replica holding the longest cached prefix "
+                             "of its prompt, else to the least loaded; every other flag applies to each replica "
+                             f"(default: {d.data_parallel_size})")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -76,4 +84,4 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_header_count=args.max_header_count, max_prompt_chars=args.max_prompt_chars,
                         shutdown_timeout=args.shutdown_timeout,
                         log_stats_interval=args.log_stats_interval, chat_template=args.chat_template,
-                        engine_step_timeout=args.engine_step_timeout)
+                        engine_step_timeout=args.engine_step_timeout, data_parallel_size=args.data_parallel_size)
