@@ -15,9 +15,12 @@ from __future__ import annotations
 import datetime
 import hashlib
 import pickle
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tokenmill.distributed.shm import ShmAllReduce
 
 # How long a collective waits for a rank before it raises (a rank that dies closes its sockets
 # and its peers raise at once; this bounds a rank that hangs).
@@ -27,7 +30,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 class ParallelGroup:
     """This process's place among the engine's ranks, and the collectives over them."""
 
-    def __init__(self, rank: int, tp_size: int, pp_size: int, device: torch.device):
+    def __init__(self, rank: int, tp_size: int, pp_size: int, device: torch.device, shm: tuple[str, int] | None = None):
+        """shm: (path prefix, bytes) of a shared-memory all-reduce for the tensor-parallel group,
+        when its ranks share one CPU machine; else gloo (or NCCL) sums."""
         self.rank, self.tp_size, self.pp_size = rank, tp_size, pp_size
         self.world_size = tp_size * pp_size
         self.tp_rank, self.pp_rank = rank % tp_size, rank // tp_size
@@ -39,6 +44,27 @@ class ParallelGroup:
             if stage == self.pp_rank:
                 self.tp_group = group
         self.cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.shm = None
+        if shm is not None and tp_size > 1 and device.type == "cpu":
+            path = Path(f"{shm[0]}-stage{self.pp_rank}")
+            if self.tp_rank == 0:
+                self.shm = ShmAllReduce(path, 0, tp_size, shm[1], create=True)
+            dist.barrier(group=self.tp_group)
+            if self.tp_rank != 0:
+                self.shm = ShmAllReduce(path, self.tp_rank, tp_size, shm[1], create=False)
+
+    def set_liveness_check(self, check) -> None:
+        """`check()` runs now and then while this rank waits for its peers in a shared-memory
+        all-reduce, and raises if one of them is gone (gloo's own collectives notice by themselves)."""
+        if self.shm is not None:
+            self.shm.alive = check
+
+    def close(self) -> None:
+        """Leave the process group; the rank that created the shared-memory file removes it."""
+        if self.shm is not None:
+            self.shm.close(unlink=self.tp_rank == 0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     @property
     def is_first_stage(self) -> bool:
@@ -52,7 +78,7 @@ class ParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the stage's tensor-parallel ranks, in place (every rank gets the same bytes)."""
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not (self.shm is not None and x.is_contiguous() and self.shm.all_reduce(x)):
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -102,12 +128,14 @@ class ParallelGroup:
         return int(t.item())
 
 
-def init_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device) -> ParallelGroup:
-    """Join the engine's process group (blocks until every rank has joined): NCCL on CUDA, else gloo."""
+def init_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
+                  shm: tuple[str, int] | None = None) -> ParallelGroup:
+    """Join the engine's process group (blocks until every rank has joined): NCCL on CUDA, else
+    gloo, with `shm` as ParallelGroup takes it."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size * pp_size,
                             timeout=COLLECTIVE_TIMEOUT)
-    return ParallelGroup(rank, tp_size, pp_size, device)
+    return ParallelGroup(rank, tp_size, pp_size, device, shm)
 
 
 def output_digest(sampled_token_ids: dict[str, list[int]]) -> bytes:

@@ -35,6 +35,7 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import ShardPlan, init_parallel
 from tokenmill.distributed.group import output_digest
+from tokenmill.distributed.shm import shm_dir
 from tokenmill.executor.worker import WorkerArgs, rank_device, worker_main
 from tokenmill.models.loader import LoadedCheckpoint
 from tokenmill.worker.model_runner import ModelRunner
@@ -127,12 +128,18 @@ class MultiprocExecutor:
                               "a model split over ranks loads dense, GGUF or round-to-nearest weights")
         threads = threads_per_rank(config, len(launch.ranks))
         torch.set_num_threads(threads)
+        # Every rank on this machine: tensor-parallel sums through shared memory on a CPU.
+        shm = None
+        if device == "cpu" and config.nnodes == 1 and not launch.torchrun:
+            slot_bytes = config.max_num_batched_tokens * checkpoint.config.hidden_size * 4
+            shm = (str(shm_dir() / f"tokenmill-allreduce-{os.getpid()}-{launch.init_method.rsplit(':', 1)[-1]}"), slot_bytes)
         self.workers = {rank: WorkerProcess(WorkerArgs(config, rank, rank - launch.rank, launch.init_method, device, dtype,
-                                                       max_model_len, threads))
+                                                       max_model_len, threads, shm))
                          for rank in launch.ranks[1:]}
         self._closed = False
         self.parallel = self._while_workers_live(lambda: init_parallel(
-            0, config.tensor_parallel_size, config.pipeline_parallel_size, launch.init_method, rank_device(device, 0)))
+            0, config.tensor_parallel_size, config.pipeline_parallel_size, launch.init_method, rank_device(device, 0), shm))
+        self.parallel.set_liveness_check(self.check_health)
         self.runner = ModelRunner(config, checkpoint, device, dtype, max_model_len, self.parallel)
         self._last_digest: bytes | None = None
         atexit.register(self.shutdown)  # an LLM never shut down still stops its ranks with this process
@@ -202,8 +209,10 @@ class MultiprocExecutor:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
                 process.terminate()
-        if torch.distributed.is_initialized() and not any(p.exitcode is None for p in self.workers.values()):
-            torch.distributed.destroy_process_group()
+        if not any(p.exitcode is None for p in self.workers.values()):
+            self.parallel.close()
+        elif self.parallel.shm is not None:
+            self.parallel.shm.close(unlink=True)
 
 
 def holds_rank_zero(config: EngineConfig) -> bool:

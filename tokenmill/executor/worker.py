@@ -3,6 +3,7 @@ executor/multiproc.py), or `run_node` calls it in-process."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ class WorkerArgs:
     dtype: str
     max_model_len: int | None  # None: the engine's default, the model's context length
     num_threads: int
+    shm: tuple[str, int] | None = None  # the shared-memory all-reduce (ParallelGroup), ranks on one machine
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
@@ -42,7 +44,15 @@ def worker_main(args: WorkerArgs) -> None:
         keep_large_allocations_in_heap()
     else:
         torch.cuda.set_device(dev)
-    parallel = init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size, args.init_method, dev)
+    parallel = init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size, args.init_method, dev,
+                             args.shm)
+    parent = os.getppid()
+
+    def parent_alive() -> None:  # a worker whose engine process died stops waiting for it
+        if os.getppid() != parent:
+            raise RuntimeError(f"rank {rank}: the engine's process exited")
+
+    parallel.set_liveness_check(parent_alive)
     checkpoint = load_checkpoint(resolve_model(config.model))
     max_model_len = args.max_model_len or config.max_model_len or checkpoint.config.max_position_embeddings
     runner = ModelRunner(config, checkpoint, str(dev), args.dtype, max_model_len, parallel)
@@ -53,5 +63,5 @@ def worker_main(args: WorkerArgs) -> None:
             raise RuntimeError(f"rank {rank} sampled other tokens than rank 0 in the last step: the ranks' logits "
                                "differ (different CPUs or libraries on the nodes?)")
         digest = output_digest(runner.execute_model(sched).sampled_token_ids)
-    torch.distributed.destroy_process_group()
+    parallel.close()
 
