@@ -1,6 +1,7 @@
-"""Tensor and pipeline parallelism with real worker processes over gloo: greedy output of TP=2 and
-PP=2 is token-identical to one process (fp32) on the default model and on a tiny Qwen2 with
-GQA; a TP=2 server streams through the `openai` client and exits with an error when a rank dies."""
+"""Tensor and pipeline parallelism with real worker processes (gloo, and the shared-memory
+all-reduce): greedy output of TP=2 and PP=2 is token-identical to one process (fp32) on the
+default model and on a tiny Qwen2 with GQA; a TP=2 server streams through the `openai` client,
+constrains output, and exits with an error when a rank dies."""
 
 from __future__ import annotations
 
@@ -121,6 +122,10 @@ def test_tp_server_streams_and_matches_offline(tp_server):
     streamed = "".join(c.choices[0].text for c in chunks)
     whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text
     assert len(chunks) > 2 and streamed == whole and whole
+    # a constraint reaches every rank (compiled grammars do not pickle: each rank compiles its own)
+    choice = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["yes", "no", "maybe"]}).choices[0].text
+    assert choice in ("yes", "no", "maybe")
 
 
 def test_a_killed_rank_ends_the_server_with_an_error(tp_server):

@@ -19,6 +19,7 @@ either way the engine stops with an error naming the rank, never hangs.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -81,6 +82,15 @@ def _free_port() -> int:
 def threads_per_rank(config: EngineConfig, num_local_ranks: int) -> int:
     """The machine's CPU threads shared between the ranks that run on it."""
     return max(1, config.resolved_num_threads() // num_local_ranks)
+
+
+def without_grammars(sched: SchedulerOutput) -> SchedulerOutput:
+    """`sched` as it travels to the workers: compiled grammars do not pickle, so new requests go
+    without theirs and each worker compiles them again from their sampling parameters."""
+    if not any(data.grammar is not None for data in sched.scheduled_new_reqs):
+        return sched
+    return dataclasses.replace(sched, scheduled_new_reqs=[dataclasses.replace(d, grammar=None)
+                                                          for d in sched.scheduled_new_reqs])
 
 
 class WorkerProcess:
@@ -179,7 +189,7 @@ class MultiprocExecutor:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
         try:
-            self.parallel.broadcast_object((sched, self._last_digest))
+            self.parallel.broadcast_object((without_grammars(sched), self._last_digest))
             out = self.runner.execute_model(sched)
         except RuntimeError:
             time.sleep(0.5)  # a peer that broke the collective is usually gone by now: name it

@@ -13,6 +13,7 @@ from tokenmill.distributed import init_parallel
 from tokenmill.distributed.group import output_digest
 from tokenmill.models.loader import load_checkpoint
 from tokenmill.models.registry import resolve_model
+from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.worker.cpu import keep_large_allocations_in_heap
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -56,9 +57,15 @@ def worker_main(args: WorkerArgs) -> None:
     checkpoint = load_checkpoint(resolve_model(config.model))
     max_model_len = args.max_model_len or config.max_model_len or checkpoint.config.max_position_embeddings
     runner = ModelRunner(config, checkpoint, str(dev), args.dtype, max_model_len, parallel)
+    # Constraints arrive as sampling parameters (executor/multiproc.py: without_grammars) and are
+    # compiled here as the engine compiles them.
+    grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size, list(checkpoint.config.eos_token_ids))
     digest = None
     while (message := parallel.broadcast_object()) is not None:
         sched, expected = message
+        for data in sched.scheduled_new_reqs:
+            if data.sampling_params.structured_output is not None:
+                data.grammar = grammars.compile(data.sampling_params.structured_output)
         if expected is not None and expected != digest:
             raise RuntimeError(f"rank {rank} sampled other tokens than rank 0 in the last step: the ranks' logits "
                                "differ (different CPUs or libraries on the nodes?)")
