@@ -20,19 +20,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tokenmill.distributed.shm import ShmAllReduce
+from tokenmill.distributed.shm import ShmAllReduce, ShmMailbox
 
 # How long a collective waits for a rank before it raises (a rank that dies closes its sockets
 # and its peers raise at once; this bounds a rank that hangs).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+MAILBOX_BYTES = 8 << 20  # a step message larger than this (pickled) goes over gloo
 
 
 class ParallelGroup:
     """This process's place among the engine's ranks, and the collectives over them."""
 
     def __init__(self, rank: int, tp_size: int, pp_size: int, device: torch.device, shm: tuple[str, int] | None = None):
-        """shm: (path prefix, bytes) of a shared-memory all-reduce for the tensor-parallel group,
-        when its ranks share one CPU machine; else gloo (or NCCL) sums."""
+        """shm: (path prefix, bytes per all-reduce slot) when every rank is on this machine: step
+        messages then go through a shared-memory mailbox, and on a CPU the tensor-parallel sums
+        through a shared-memory all-reduce; else gloo (sums: gloo or NCCL)."""
         self.rank, self.tp_size, self.pp_size = rank, tp_size, pp_size
         self.world_size = tp_size * pp_size
         self.tp_rank, self.pp_rank = rank % tp_size, rank // tp_size
@@ -44,7 +46,14 @@ class ParallelGroup:
             if stage == self.pp_rank:
                 self.tp_group = group
         self.cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.shm = None
+        self.shm = self.mailbox = None
+        if shm is not None:
+            path = Path(f"{shm[0]}-steps")
+            if rank == 0:
+                self.mailbox = ShmMailbox(path, 0, self.world_size, MAILBOX_BYTES, create=True)
+            dist.barrier(group=self.cpu_group)
+            if rank != 0:
+                self.mailbox = ShmMailbox(path, rank, self.world_size, MAILBOX_BYTES, create=False)
         if shm is not None and tp_size > 1 and device.type == "cpu":
             path = Path(f"{shm[0]}-stage{self.pp_rank}")
             if self.tp_rank == 0:
@@ -54,15 +63,19 @@ class ParallelGroup:
                 self.shm = ShmAllReduce(path, self.tp_rank, tp_size, shm[1], create=False)
 
     def set_liveness_check(self, check) -> None:
-        """`check()` runs now and then while this rank waits for its peers in a shared-memory
-        all-reduce, and raises if one of them is gone (gloo's own collectives notice by themselves)."""
-        if self.shm is not None:
-            self.shm.alive = check
+        """`check()` runs now and then while this rank waits for its peers in shared memory (an
+        all-reduce, a step message), and raises if one of them is gone (gloo's own collectives
+        notice by themselves)."""
+        for waiter in (self.shm, self.mailbox):
+            if waiter is not None:
+                waiter.alive = check
 
     def close(self) -> None:
         """Leave the process group; the rank that created the shared-memory file removes it."""
         if self.shm is not None:
             self.shm.close(unlink=self.tp_rank == 0)
+        if self.mailbox is not None:
+            self.mailbox.close(unlink=self.rank == 0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -117,7 +130,16 @@ class ParallelGroup:
     # -- control -------------------------------------------------------------------------------
 
     def broadcast_object(self, obj: object = None) -> object:
-        """Rank 0's `obj` on every rank (pickled, over the gloo group)."""
+        """Rank 0's `obj` on every rank (pickled: through the mailbox on one machine, else or when
+        too large over the gloo group)."""
+        if self.mailbox is not None:
+            if self.rank == 0:
+                if self.mailbox.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)):
+                    return obj
+            else:
+                message = self.mailbox.receive()
+                if message is not ShmMailbox.NOT_CARRIED:
+                    return pickle.loads(message)
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]

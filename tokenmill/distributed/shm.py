@@ -1,4 +1,4 @@
-"""All-reduce through shared memory, for the tensor-parallel ranks of one CPU machine.
+"""All-reduce and step messages through shared memory, for the ranks of one machine.
 
 gloo sums a few-KB tensor over loopback TCP in about a millisecond here, and a tensor-parallel
 decode step has two all-reduces per layer. Ranks on one machine can instead meet in a shared
@@ -11,6 +11,12 @@ which each does after it has finished reading call k's slots.
 Ordering: x86's stores become visible in program order (slot data, then the sequence number),
 and the numbers are read before the slots. A weaker memory model (aarch64) would need fences
 between the two; this path is for x86 hosts.
+
+`ShmMailbox` carries rank 0's message of each step (the pickled SchedulerOutput) to the other
+ranks of the machine the same way, in place of a gloo broadcast (two loopback round trips): one
+sequence number for the message, one acknowledgement per reader, and rank 0 writes message k + 1
+only once every reader has acknowledged message k. A reader that waits long (an idle server)
+sleeps between looks, up to `MAX_IDLE_SLEEP`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch
 HEADER_BYTES = 4096  # one sequence number per rank, each on its own 64-byte line
 LINE = 8  # int64s per cache line
 WAIT_CHECK_SECONDS = 0.2  # how often a waiting rank checks that its peers live
+SPINS = 64  # looks before a waiting rank starts yielding its core
+MAX_IDLE_SLEEP = 0.002  # the longest sleep between looks of a rank waiting for a step
 
 
 def shm_dir() -> Path:
@@ -68,22 +76,78 @@ class ShmAllReduce:
         return True
 
     def _wait(self, call: int) -> None:
-        seq = self.seq
-        if seq.min() >= call:
+        wait_until(lambda: self.seq.min() >= call, self.alive, self.timeout,
+                   lambda: f"ranks {[r for r in range(self.size) if self.seq[r] < call]} did not reach the all-reduce")
+
+    def close(self, unlink: bool) -> None:
+        if unlink:
+            self.path.unlink(missing_ok=True)
+
+
+def wait_until(ready, alive, timeout: float | None, late) -> None:
+    """Return once `ready()`: spin a little, then yield the core between looks, then (after
+    WAIT_CHECK_SECONDS) sleep up to MAX_IDLE_SLEEP; call `alive()` every WAIT_CHECK_SECONDS and
+    raise RuntimeError(late()) after `timeout` seconds (None: no limit)."""
+    for _ in range(SPINS):
+        if ready():
             return
-        start = check = time.monotonic()
-        spins = 0
-        while seq.min() < call:
-            spins += 1
-            if spins > 64:  # past a short spin, give the core away between looks
-                os.sched_yield()
-                now = time.monotonic()
-                if now - check > WAIT_CHECK_SECONDS:
-                    check = now
-                    self.alive()
-                    if now - start > self.timeout:
-                        late = [r for r in range(self.size) if seq[r] < call]
-                        raise RuntimeError(f"ranks {late} did not reach the all-reduce in {self.timeout:g}s")
+    start = check = time.monotonic()
+    sleep = 0.0
+    while not ready():
+        if sleep:
+            time.sleep(sleep)
+        else:
+            os.sched_yield()
+        now = time.monotonic()
+        if now - check > WAIT_CHECK_SECONDS:
+            check = now
+            sleep = min(MAX_IDLE_SLEEP, sleep * 2 or 1e-4)
+            alive()
+            if timeout is not None and now - start > timeout:
+                raise RuntimeError(f"{late()} in {timeout:g}s")
+
+
+class ShmMailbox:
+    """Rank 0's messages to ranks 1..size-1 of one machine (rank 0 creates the file at `path`,
+    the others open it after a barrier). A message over `capacity` bytes is not carried: `send`
+    returns False after telling the readers so (`receive` returns NOT_CARRIED) and the caller
+    sends it another way."""
+
+    NOT_CARRIED = object()
+
+    def __init__(self, path: Path, rank: int, size: int, capacity: int, create: bool, alive=None):
+        self.path, self.rank, self.size, self.capacity = path, rank, size, capacity
+        total = HEADER_BYTES + capacity
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(total)
+        self.buf = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        # line 0: [message number, its length (-1: not carried)]; line r: reader r's last message read
+        header = self.buf[: size * LINE * 8].view(torch.int64).numpy()
+        self.head, self.acks = header[:2], header[::LINE]  # acks[r], r >= 1 (acks[0] is the head)
+        self.data = self.buf[HEADER_BYTES:].numpy()
+        self.count = int(self.head[0])
+        self.alive = alive or (lambda: None)
+
+    def send(self, message: bytes) -> bool:
+        """Rank 0: wait until every reader has read the last message, then post this one."""
+        wait_until(lambda: self.acks[1 : self.size].min() >= self.count, self.alive, None, lambda: "")
+        carried = len(message) <= self.capacity
+        if carried:
+            self.data[: len(message)] = memoryview(message)
+        self.head[1] = len(message) if carried else -1
+        self.count += 1
+        self.head[0] = self.count  # last: the message is complete before it is announced
+        return carried
+
+    def receive(self):
+        """Ranks 1..: the next message's bytes (or NOT_CARRIED), waiting for it as long as it takes."""
+        self.count += 1
+        wait_until(lambda: self.head[0] >= self.count, self.alive, None, lambda: "")
+        length = int(self.head[1])
+        message = self.NOT_CARRIED if length < 0 else self.data[:length].tobytes()
+        self.acks[self.rank] = self.count
+        return message
 
     def close(self, unlink: bool) -> None:
         if unlink:

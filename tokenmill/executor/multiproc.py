@@ -138,9 +138,9 @@ class MultiprocExecutor:
                               "a model split over ranks loads dense, GGUF or round-to-nearest weights")
         threads = threads_per_rank(config, len(launch.ranks))
         torch.set_num_threads(threads)
-        # Every rank on this machine: tensor-parallel sums through shared memory on a CPU.
+        # Every rank on this machine: step messages (and on a CPU tensor-parallel sums) through shared memory.
         shm = None
-        if device == "cpu" and config.nnodes == 1 and not launch.torchrun:
+        if config.nnodes == 1 and not launch.torchrun:
             slot_bytes = config.max_num_batched_tokens * checkpoint.config.hidden_size * 4
             shm = (str(shm_dir() / f"tokenmill-allreduce-{os.getpid()}-{launch.init_method.rsplit(':', 1)[-1]}"), slot_bytes)
         self.workers = {rank: WorkerProcess(WorkerArgs(config, rank, rank - launch.rank, launch.init_method, device, dtype,
@@ -221,8 +221,10 @@ class MultiprocExecutor:
                 process.terminate()
         if not any(p.exitcode is None for p in self.workers.values()):
             self.parallel.close()
-        elif self.parallel.shm is not None:
-            self.parallel.shm.close(unlink=True)
+        else:  # a worker that did not stop: its files go all the same
+            for waiter in (self.parallel.shm, self.parallel.mailbox):
+                if waiter is not None:
+                    waiter.close(unlink=True)
 
 
 def holds_rank_zero(config: EngineConfig) -> bool:
