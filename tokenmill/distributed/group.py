@@ -101,8 +101,11 @@ class ParallelGroup:
             return x
         width = max(widths)
         padded = x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
-        parts = [torch.empty_like(padded) for _ in widths]
-        dist.all_gather(parts, padded.contiguous(), group=self.tp_group)
+        padded = padded.contiguous()
+        parts = self.shm.all_gather(padded) if self.shm is not None else None
+        if parts is None:
+            parts = [torch.empty_like(padded) for _ in widths]
+            dist.all_gather(parts, padded, group=self.tp_group)
         return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
 
     # -- pipeline parallelism ------------------------------------------------------------------

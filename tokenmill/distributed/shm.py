@@ -75,6 +75,17 @@ class ShmAllReduce:
             x.add_(self._slot(parity, r, x))
         return True
 
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` (same shape on all), in rank order; None, nothing done, if it exceeds a slot."""
+        if x.numel() * x.element_size() > self.slot_bytes:
+            return None
+        self.calls += 1
+        parity = self.calls % 2
+        self._slot(parity, self.rank, x).copy_(x)
+        self.seq[self.rank] = self.calls
+        self._wait(self.calls)
+        return [self._slot(parity, r, x).clone() for r in range(self.size)]
+
     def _wait(self, call: int) -> None:
         wait_until(lambda: self.seq.min() >= call, self.alive, self.timeout,
                    lambda: f"ranks {[r for r in range(self.size) if self.seq[r] < call]} did not reach the all-reduce")
