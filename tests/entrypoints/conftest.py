@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serving import MODEL
+from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +29,14 @@ def hf_model(default_model_path):
     model = AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(default_model_path, tmp_path_factory):
+    """A server that requires `Authorization: Bearer sekret` (the web page's tests)."""
+    proc = ServerProcess(MODEL, *BASE_FLAGS, "--api-key", "sekret",
+                         log_path=tmp_path_factory.mktemp("keyed") / "server.log")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()

@@ -5,6 +5,7 @@ prefix cache, errors and disconnects reach the replica, and a replica's death en
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -175,6 +176,21 @@ def test_a_client_disconnect_aborts_the_replicas_request(dp_server):
         time.sleep(0.1)
     assert per_replica(after, "tokenmill_num_requests_running") == [0, 0]
     assert per_replica(after, "tokenmill_router_requests_in_flight") == [0, 0]
+
+
+@pytest.mark.slow
+def test_the_page_is_the_front_ends_and_its_stats_stream_replica_0s_outside_the_router(dp_server):
+    page = httpx.get(f"{dp_server.url}/", timeout=10)
+    assert page.status_code == 200 and 'src="web/app.js"' in page.text
+    assert httpx.get(f"{dp_server.url}/web/app.js", timeout=10).status_code == 200
+    _, replica_0 = replicas(dp_server)[0]
+    with httpx.stream("GET", f"{dp_server.url}/stats/stream", params={"interval": 0.1}, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["x-tokenmill-replica"] == "0 of 2"
+        lines = r.iter_lines()
+        event = json.loads(next(line for line in lines if line.startswith("data:")).removeprefix("data:"))
+        assert event["ready"] and event["num_blocks"] == scrape_metrics(replica_0)["tokenmill_kv_cache_blocks"]
+        # an open stream is no load: the router still counts nothing in flight
+        assert per_replica(scrape_metrics(dp_server.url), "tokenmill_router_requests_in_flight") == [0, 0]
 
 
 @pytest.mark.slow

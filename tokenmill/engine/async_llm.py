@@ -16,7 +16,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, Prompt
@@ -62,6 +64,20 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+
+
+class StepRecord(NamedTuple):
+    """One engine step, as the live stats stream shows it."""
+
+    step: int  # 1 = the engine's first step
+    end_time: float  # time.monotonic() when the step returned
+    seconds: float
+    num_prefill_tokens: int  # prompt tokens computed (recomputation after preemption included)
+    num_generated_tokens: int
+
+
+# Steps kept in `AsyncLLM.recent_steps`: seconds of history at any step rate the engine reaches.
+NUM_RECENT_STEPS = 4096
 
 
 class _Failed:
@@ -128,6 +144,9 @@ class AsyncLLM:
         self._step_started: float | None = None  # monotonic start of the step running now
         self._watchdog: asyncio.Future | None = None
         self.stats = EngineStats()
+        # The last NUM_RECENT_STEPS steps, appended by the engine thread (one tuple a step, nothing
+        # else). Readers on other threads take a copy first (`list(...)` holds the GIL throughout).
+        self.recent_steps: deque[StepRecord] = deque(maxlen=NUM_RECENT_STEPS)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -217,12 +236,12 @@ class AsyncLLM:
                     break
                 self._refresh_gauges(engine)  # aborts free blocks even when no step follows
                 if engine.has_unfinished_requests():
-                    self._step_started = time.monotonic()
+                    started = self._step_started = time.monotonic()
                     outputs = engine.step()
                     self._step_started = None
                     if self.dead_error is not None:
                         break  # the watchdog gave up on this step: its requests were failed already
-                    self._count_step(engine)
+                    self._count_step(engine, started)
                     self._refresh_gauges(engine)
                     if outputs:
                         self._loop.call_soon_threadsafe(self._dispatch, outputs)
@@ -287,11 +306,14 @@ class AsyncLLM:
         s.spec_accepted_tokens = sched.num_spec_accepted_tokens
         s.spec_accepted_per_position = tuple(sched.spec_accepted_per_position)
 
-    def _count_step(self, engine: LLMEngine) -> None:
+    def _count_step(self, engine: LLMEngine, started: float) -> None:
         s = self.stats
+        prefill, generated = engine.core.last_num_prompt_tokens, engine.core.last_num_generated_tokens
         s.num_steps += 1
-        s.num_prompt_tokens += engine.core.last_num_prompt_tokens
-        s.num_generation_tokens += engine.core.last_num_generated_tokens
+        s.num_prompt_tokens += prefill
+        s.num_generation_tokens += generated
+        now = time.monotonic()
+        self.recent_steps.append(StepRecord(s.num_steps, now, now - started, prefill, generated))
 
     def _log_stats(self, last: EngineStats, elapsed: float) -> None:
         s = self.stats

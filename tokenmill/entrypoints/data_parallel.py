@@ -8,7 +8,9 @@ holding the longest cached prefix, else the least loaded. Everything else the se
 through unchanged, streams chunk by chunk; a client that goes away closes the upstream
 connection, and the replica aborts the request. `/health` is the front end's own (200 once every
 replica is healthy); `/metrics` is every replica's samples labelled `replica="i"` plus the
-router's counters.
+router's counters. The web page (`/`, `/web/*`) is the front end's own; the stats stream its
+engine view reads (`/stats/stream`) is replica 0's, passed through outside the router's counts
+with a header `X-Tokenmill-Replica: 0 of N`.
 
 A replica that exits while the front end is serving ends the front end with status 1 (after it
 stops the others): it never goes on with fewer replicas. SIGTERM/SIGINT drain: new requests get
@@ -43,6 +45,7 @@ from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from tokenmill.entrypoints.openai.tool_calls import check_tools
 from tokenmill.entrypoints.replicas import ReplicaSet, exit_description
 from tokenmill.entrypoints.router import Route, Router, prompt_block_hashes
+from tokenmill.entrypoints.web import web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +208,14 @@ class _Families:
 class _Proxied:
     """An ASGI response: the replica's response to one request, passed on as it arrives. The
     client's disconnect (before or during the response) cancels it, which closes the upstream
-    connection (the replica then aborts the request)."""
+    connection (the replica then aborts the request). A `routed` request is one the router
+    chose the replica for: it is counted out of the router's in-flight count when it ends."""
 
-    def __init__(self, front: FrontEnd, replica: int, request: Request, body: bytes):
+    def __init__(self, front: FrontEnd, replica: int, request: Request, body: bytes, routed: bool = True,
+                 extra_headers: list[tuple[bytes, bytes]] = ()):
         self.front, self.replica, self.request, self.body = front, replica, request, body
+        self.routed = routed
+        self.extra_headers = list(extra_headers)
 
     async def __call__(self, scope, receive, send) -> None:
         forward = asyncio.ensure_future(self._forward(send))
@@ -219,7 +226,8 @@ class _Proxied:
             forward.cancel()
             gone.cancel()
             await asyncio.gather(forward, gone, return_exceptions=True)
-            self.front.finish(self.replica)
+            if self.routed:
+                self.front.finish(self.replica)
         if not forward.cancelled():
             forward.result()  # an error while streaming: uvicorn closes the connection
 
@@ -238,6 +246,7 @@ class _Proxied:
             return
         try:
             headers = [(k, v) for k, v in upstream.headers.raw if k.decode("latin-1").lower() not in _NOT_RETURNED]
+            headers += self.extra_headers
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
             async for chunk in upstream.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -269,18 +278,32 @@ def build_front_end(engine_config: EngineConfig, config: ServerConfig, replicas:
     async def metrics(request: Request) -> Response:
         return Response(await front.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
-    async def proxy(request: Request) -> Response | _Proxied:
+    def unavailable() -> Response | None:
         if front.draining:
             return error_response(503, "the server is shutting down", type="server_error")
         if front.router is None:
             return error_response(503, "the model is still loading", type="server_error", headers={"Retry-After": "5"})
+        return None
+
+    async def proxy(request: Request) -> Response | _Proxied:
+        if (refused := unavailable()) is not None:
+            return refused
         body = await request.body()
         route = await front.route(request, body)
         return _Proxied(front, route.replica, request, body)
 
-    app = Starlette(routes=[routing.Route("/health", health, methods=["GET"]),
-                            routing.Route("/metrics", metrics, methods=["GET"]),
-                            routing.Route("/{path:path}", proxy, methods=_METHODS)], lifespan=lifespan)
+    async def stats_stream(request: Request) -> Response | _Proxied:
+        """Replica 0's stream: a long-lived connection that must not count as load."""
+        if (refused := unavailable()) is not None:
+            return refused
+        replica = f"0 of {len(front.clients)}".encode()
+        return _Proxied(front, 0, request, b"", routed=False, extra_headers=[(b"x-tokenmill-replica", replica)])
+
+    routes = [routing.Route("/health", health, methods=["GET"]), routing.Route("/metrics", metrics, methods=["GET"]),
+              routing.Route("/stats/stream", stats_stream, methods=["GET"])]
+    if config.web_ui:
+        routes += web_routes()
+    app = Starlette(routes=[*routes, routing.Route("/{path:path}", proxy, methods=_METHODS)], lifespan=lifespan)
     app.state.front = front
     add_request_limits(app, config)
     return app

@@ -46,7 +46,9 @@ from tokenmill.entrypoints.openai.protocol import (
     check_request,
 )
 from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing
+from tokenmill.entrypoints.openai.stats_stream import DEFAULT_INTERVAL, MAX_INTERVAL, MIN_INTERVAL, StatsStream
 from tokenmill.entrypoints.openai.tool_calls import tools_in_template
+from tokenmill.entrypoints.web import web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class ServerState:
         self.llm = AsyncLLM(engine_config, log_stats_interval=config.log_stats_interval,
                             step_timeout=config.engine_step_timeout or None)
         self.metrics = ServerMetrics(self.llm, self.model_name)
+        self.stats_stream = StatsStream(self.llm, self.metrics, self.model_name)
         self.serving: OpenAIServing | None = None
         self.draining = False
         self.started = time.time()
@@ -254,6 +257,19 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # Left out of the OpenAPI schema: it never ends, which a client generated from it would not expect.
+    @app.get("/stats/stream", include_in_schema=False)
+    async def stats_stream(request: Request, interval: float = DEFAULT_INTERVAL):
+        check_auth(request)
+        if not MIN_INTERVAL <= interval <= MAX_INTERVAL:
+            raise APIError(400, f"interval must be in [{MIN_INTERVAL:g}, {MAX_INTERVAL:g}] seconds, got {interval:g}",
+                           param="interval")
+        events = state.stats_stream.events(interval, lambda: state.draining or state.llm.dead_error is not None)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    if config.web_ui:
+        app.router.routes.extend(web_routes())
     return app
 
 
@@ -421,11 +437,11 @@ _BODY_MODELS: dict[str, type[BaseModel]] = {
 
 
 def _error_param(model: type[BaseModel] | None, loc) -> str | None:
-    """The request field a validation error's location names, as OpenAI's `param`: field names
-    and list indices into nested messages ("messages.0.role"). Pydantic's location goes on with
-    the union member it tried ("temperature.float", "prompt.str") and with list indices and map
-    keys inside plain values ("logit_bias.5.float"); those are cut off."""
-    loc = [p for p in loc if p != "body"]
+    """The request field (or query parameter) a validation error's location names, as OpenAI's
+    `param`: field names and list indices into nested messages ("messages.0.role"). Pydantic's
+    location goes on with the union member it tried ("temperature.float", "prompt.str") and with
+    list indices and map keys inside plain values ("logit_bias.5.float"); those are cut off."""
+    loc = [p for p in loc if p not in ("body", "query")]
     if model is None:
         return str(loc[0]) if loc else None
     parts: list[str] = []

@@ -31,6 +31,7 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja file used instead of the model's chat template
     # Engine replicas behind one front end that routes by cached prefix and load (data_parallel.py).
     data_parallel_size: int = 1
+    web_ui: bool = True  # the web page at / (entrypoints/web/)
 
 
 def _positive_int(text: str) -> int:
@@ -75,6 +76,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                              "--host/--port that sends each request to the replica holding the longest cached prefix "
                              "of its prompt, else to the least loaded; every other flag applies to each replica "
                              f"(default: {d.data_parallel_size})")
+    parser.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                        help="do not serve the web page at / (a chat playground and a live view of the engine); "
+                             "the stats stream it reads, /stats/stream, stays")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -84,4 +88,5 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_header_count=args.max_header_count, max_prompt_chars=args.max_prompt_chars,
                         shutdown_timeout=args.shutdown_timeout,
                         log_stats_interval=args.log_stats_interval, chat_template=args.chat_template,
-                        engine_step_timeout=args.engine_step_timeout, data_parallel_size=args.data_parallel_size)
+                        engine_step_timeout=args.engine_step_timeout, data_parallel_size=args.data_parallel_size,
+                        web_ui=args.web_ui)

@@ -3,13 +3,16 @@
 Latencies are histograms observed per request; token counts and finished requests are
 counters (rates come from `rate()` in Prometheus, never from per-batch gauges). Engine state
 (running/waiting requests, KV-cache usage, preemptions) is read from the engine's stats when
-the endpoint is scraped.
+the endpoint is scraped. TTFT and inter-token latency are also kept for the last minute
+(`RecentLatencies`), whose percentiles the live stats stream shows.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -23,6 +26,72 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+class RecentLatencies:
+    """Latencies observed in the last `window` seconds, for their percentiles.
+
+    A histogram of log-spaced buckets (BUCKETS_PER_OCTAVE to a doubling from MIN_SECONDS; smaller
+    values fall in the first, larger in the last) kept per second of arrival: `observe` is O(1),
+    `percentiles` walks one running total, memory is bounded whatever the rate, and a percentile
+    comes back as its bucket's middle, within 2.2% of the exact one. Not thread-safe: use it from
+    one thread (the server's event loop)."""
+
+    MIN_SECONDS = 1e-4
+    BUCKETS_PER_OCTAVE = 16
+    NUM_BUCKETS = 24 * BUCKETS_PER_OCTAVE  # up to MIN_SECONDS x 2**24: 28 minutes
+
+    def __init__(self, window: float = 60.0):
+        self.window = window
+        self.count = 0  # observations in the window (as of the last observe or percentiles call)
+        self._total = [0] * self.NUM_BUCKETS
+        self._seconds: deque[tuple[int, list[int]]] = deque()  # (second of arrival, its bucket counts), oldest first
+
+    def observe(self, seconds: float, now: float | None = None) -> None:
+        second = math.floor(time.monotonic() if now is None else now)
+        if not self._seconds or self._seconds[-1][0] != second:
+            self._expire(second)
+            self._seconds.append((second, [0] * self.NUM_BUCKETS))
+        i = self.bucket(seconds)
+        self._seconds[-1][1][i] += 1
+        self._total[i] += 1
+        self.count += 1
+
+    def percentiles(self, qs: tuple[float, ...], now: float | None = None) -> list[float | None]:
+        """The q-quantiles (0 < q <= 1, nearest rank) of the window's latencies, each the middle
+        of its bucket; None for each when the window is empty."""
+        self._expire(math.floor(time.monotonic() if now is None else now))
+        if self.count == 0:
+            return [None] * len(qs)
+        ranks = [max(1, math.ceil(q * self.count)) for q in qs]
+        found: dict[int, float] = {}
+        seen = 0
+        for i, c in enumerate(self._total):
+            seen += c
+            for rank in ranks:
+                if rank not in found and seen >= rank:
+                    found[rank] = self.bucket_middle(i)
+            if len(found) == len(set(ranks)):
+                break
+        return [found[rank] for rank in ranks]
+
+    @classmethod
+    def bucket(cls, seconds: float) -> int:
+        if seconds <= cls.MIN_SECONDS:
+            return 0
+        return min(cls.NUM_BUCKETS - 1, int(math.log2(seconds / cls.MIN_SECONDS) * cls.BUCKETS_PER_OCTAVE))
+
+    @classmethod
+    def bucket_middle(cls, i: int) -> float:
+        return cls.MIN_SECONDS * 2 ** ((i + 0.5) / cls.BUCKETS_PER_OCTAVE)
+
+    def _expire(self, second: int) -> None:
+        while self._seconds and self._seconds[0][0] <= second - self.window:
+            _, counts = self._seconds.popleft()
+            for i, c in enumerate(counts):
+                if c:
+                    self._total[i] -= c
+                    self.count -= c
+
+
 class ServerMetrics:
     def __init__(self, llm: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
@@ -34,6 +103,8 @@ class ServerMetrics:
 
         self.ttft = histogram("tokenmill_time_to_first_token_seconds", "Time from arrival to the first output token")
         self.itl = histogram("tokenmill_inter_token_latency_seconds", "Time between successive output tokens")
+        self.recent_ttft = RecentLatencies()  # the same observations, for the last minute's percentiles
+        self.recent_itl = RecentLatencies()
         self.tpot = histogram("tokenmill_time_per_output_token_seconds",
                               "Per request: decode time / (output tokens - 1)")
         self.e2e = histogram("tokenmill_e2e_request_latency_seconds", "Time from arrival to the last token")
@@ -127,12 +198,15 @@ class RequestTracker:
         t = out.metrics
         if t.first_token_time is not None:
             if self._last_token_time is None:
-                self.m.ttft.observe(t.first_token_time - t.arrival_time)
+                ttft = t.first_token_time - t.arrival_time
+                self.m.ttft.observe(ttft)
+                self.m.recent_ttft.observe(ttft)
             elif t.last_token_time > self._last_token_time:
                 new = max((len(c.delta_token_ids) for c in out.outputs), default=1) or 1
                 gap = (t.last_token_time - self._last_token_time) / new
                 for _ in range(new):
                     self.m.itl.observe(gap)
+                    self.m.recent_itl.observe(gap)
             self._last_token_time = t.last_token_time
         self.last = out
 
