@@ -50,7 +50,8 @@ def _max_logit_diff(a: dict, b: dict, reduce=torch.amax) -> float:
 def test_default_model_split_two_ways_matches_one_process():
     """fp32: the same greedy tokens, logits within FP32_ATOL (the all-reduce adds partial sums in another order)."""
     one, one_logits = _greedy(MODEL, quantization="none")
-    for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+    for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                  {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}):  # (a TP group per stage)
         tokens, logits = _greedy(MODEL, quantization="none", **split)
         assert tokens == one, split
         assert _max_logit_diff(logits, one_logits) < FP32_ATOL, split

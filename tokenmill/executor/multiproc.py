@@ -210,18 +210,23 @@ class MultiprocExecutor:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        stop = None
         if all(p.exitcode is None for p in self.workers.values()):
-            # Workers waiting for a step leave their loop; ones stuck in a collective rank 0 left
-            # (a step that raised half-way) do not answer and are terminated below.
-            threading.Thread(target=self._send_stop, daemon=True).start()
+            # Workers waiting for a step (here or on other machines) leave their loop; ones stuck in
+            # a collective rank 0 left (a step that raised half-way) do not answer: local ones are
+            # terminated below, and the process group is then left as it is.
+            stop = threading.Thread(target=self._send_stop, daemon=True)
+            stop.start()
         deadline = time.monotonic() + timeout
         for process in self.workers.values():
             process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
                 process.terminate()
-        if not any(p.exitcode is None for p in self.workers.values()):
+        if stop is not None:
+            stop.join(max(0.0, deadline - time.monotonic()))
+        if (stop is None or not stop.is_alive()) and not any(p.exitcode is None for p in self.workers.values()):
             self.parallel.close()
-        else:  # a worker that did not stop: its files go all the same
+        else:  # a rank that did not stop: the shared-memory files go all the same
             for waiter in (self.parallel.shm, self.parallel.mailbox):
                 if waiter is not None:
                     waiter.close(unlink=True)
