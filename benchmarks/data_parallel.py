@@ -99,7 +99,10 @@ def prefix_cache_totals(url: str) -> tuple[float, float]:
     return total("tokenmill_prefix_cache_hits_total"), total("tokenmill_prefix_cache_queries_total")
 
 
-def run_server(args, label: str, flags: list[str], workloads: dict, tokenizer_path: Path) -> list[dict]:
+def run_server(args, label: str, flags: list[str], workloads: dict, tokenizer_path: Path,
+               config_for=bench_config) -> list[dict]:
+    """Start a server with `flags`, run each workload against it (`config_for(args, workload,
+    url, label, tokenizer_path)`: its BenchConfig), stop it; the runs' results."""
     sys.path.insert(0, str(REPO_ROOT))
     from tests.serving import ServerProcess
     from tokenmill.bench.benchmark import run_benchmark
@@ -115,7 +118,7 @@ def run_server(args, label: str, flags: list[str], workloads: dict, tokenizer_pa
         for name, requests in workloads.items():
             print(f"{label}: workload {name} ...", flush=True)
             hits0, queries0 = prefix_cache_totals(server.url)
-            result = run_benchmark(bench_config(args, name, server.url, label, tokenizer_path), requests=requests)
+            result = run_benchmark(config_for(args, name, server.url, label, tokenizer_path), requests=requests)
             hits1, queries1 = prefix_cache_totals(server.url)
             hit_rate = (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else None
             runs.append({"setup": label, "workload": name, "server_flags": flags, "prefix_cache_hit_rate": hit_rate,

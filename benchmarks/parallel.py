@@ -24,14 +24,12 @@ import signal
 import sys
 from pathlib import Path
 
+import data_parallel
 from common import RESULTS_DIR, device_name, fmt, print_table, write_report
 from data_parallel import run_server
 
 DEFAULT_OUTPUT = RESULTS_DIR / "parallel.json"
-WORKLOADS = {
-    "single": {"dataset": "random", "input_len": "16:64", "output_len": "128"},
-    "short": {"dataset": "random", "input_len": "16:64", "output_len": "128"},
-}
+WORKLOADS = {"single": data_parallel.WORKLOADS["short"], "short": data_parallel.WORKLOADS["short"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,26 +60,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bench_config(args, workload: str, base_url: str, label: str, tokenizer_path: Path):
-    from tokenmill.bench.benchmark import BenchConfig
-
-    w = dict(WORKLOADS[workload])
-    if args.output_len:
-        w["output_len"] = args.output_len
+    """data_parallel.py's `short` workload; `single` is the same one request at a time."""
     single = workload == "single"
-    return BenchConfig(base_url=base_url, label=label, num_requests=args.single_requests if single else args.num_requests,
-                       ignore_eos=True, tokenizer=str(tokenizer_path), seed=args.seed,
-                       concurrency=1 if single else args.concurrency, num_warmups=args.num_warmups,
-                       percentiles="50,90,99", progress=False, **w)
+    shaped = argparse.Namespace(**{**vars(args), "concurrency": 1 if single else args.concurrency,
+                                   "num_requests": args.single_requests if single else args.num_requests})
+    return data_parallel.bench_config(shaped, "short", base_url, label, tokenizer_path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds through the servers' `finally`
-    import data_parallel
     from tokenmill.bench.benchmark import prepare_requests
     from tokenmill.models.registry import resolve_model
 
-    data_parallel.bench_config = lambda a, name, url, label, tok: bench_config(args, name, url, label, tok)
     model_path = resolve_model(args.model)
     if model_path.suffix != ".gguf":
         raise SystemExit(f"this benchmark cuts prompts with the GGUF file's tokenizer; got {model_path}")
@@ -94,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args.server_args = f"{args.server_args} --log-stats-interval 0"
     results = []
     for setup in args.setups:
-        results += run_server(args, labels[setup], flags[setup], workloads, model_path)
+        results += run_server(args, labels[setup], flags[setup], workloads, model_path, bench_config)
 
     base = {r["workload"]: r["summary"] for r in results if r["setup"] == labels["one"]}
     header = ["workload", "server", "ok", "output tok/s", "x one", "TTFT p50", "TTFT p99", "ITL p50", "ITL x one"]

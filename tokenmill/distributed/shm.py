@@ -63,13 +63,9 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> bool:
         """Sum `x` (contiguous) over the ranks in place; False, untouched, if it exceeds a slot."""
-        if x.numel() * x.element_size() > self.slot_bytes:
+        parity = self._exchange(x)
+        if parity is None:
             return False
-        self.calls += 1
-        parity = self.calls % 2
-        self._slot(parity, self.rank, x).copy_(x)
-        self.seq[self.rank] = self.calls
-        self._wait(self.calls)
         torch.add(self._slot(parity, 0, x), self._slot(parity, 1, x), out=x)
         for r in range(2, self.size):
             x.add_(self._slot(parity, r, x))
@@ -77,6 +73,12 @@ class ShmAllReduce:
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `x` (same shape on all), in rank order; None, nothing done, if it exceeds a slot."""
+        parity = self._exchange(x)
+        return None if parity is None else [self._slot(parity, r, x).clone() for r in range(self.size)]
+
+    def _exchange(self, x: torch.Tensor) -> int | None:
+        """Post `x` in this rank's slot and wait for every rank's: the set of slots they are in
+        (None, nothing done, if `x` exceeds a slot)."""
         if x.numel() * x.element_size() > self.slot_bytes:
             return None
         self.calls += 1
@@ -84,7 +86,7 @@ class ShmAllReduce:
         self._slot(parity, self.rank, x).copy_(x)
         self.seq[self.rank] = self.calls
         self._wait(self.calls)
-        return [self._slot(parity, r, x).clone() for r in range(self.size)]
+        return parity
 
     def _wait(self, call: int) -> None:
         wait_until(lambda: self.seq.min() >= call, self.alive, self.timeout,
