@@ -123,12 +123,16 @@ def test_damaged_hf_directories(tiny_qwen2_dir, tmp_path):
 
 
 def test_no_unpickling_and_no_fetching_of_our_own():
-    """torch.load only with weights_only=True, no pickle anywhere; the code that loads models and
-    runs them fetches no URL (a repository id goes through huggingface_hub, in models/registry.py;
-    the bench client's requests go to the server it is pointed at)."""
+    """torch.load only with weights_only=True, no pickle outside the messages one engine's ranks
+    send each other (executor/, distributed/: from the engine's own process, through a pipe or a
+    file only this user can write); the code that loads models and runs them fetches no URL (a
+    repository id goes through huggingface_hub, in models/registry.py; the bench client's requests
+    go to the server it is pointed at)."""
+    rank_messages = {"executor", "distributed"}
     for source in TOKENMILL.rglob("*.py"):
         text = source.read_text()
-        assert not re.search(r"^\s*import pickle|\bpickle\.loads?\(", text, re.M), source
+        if source.parent.name not in rank_messages:
+            assert not re.search(r"^\s*import pickle|\bpickle\.loads?\(", text, re.M), source
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, (source, call)
         if source.parent.name in ("models", "quantization", "layers", "worker", "engine", "core"):

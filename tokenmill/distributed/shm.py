@@ -34,6 +34,16 @@ SPINS = 64  # looks before a waiting rank starts yielding its core
 MAX_IDLE_SLEEP = 0.002  # the longest sleep between looks of a rank waiting for a step
 
 
+def _create_private(path: Path, size: int) -> None:
+    """A new file of `size` zero bytes that only this user may read or write (the ranks unpickle
+    the step messages in it)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 def shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
@@ -49,8 +59,7 @@ class ShmAllReduce:
         self.slot_bytes = -(-slot_bytes // 64) * 64
         total = HEADER_BYTES + 2 * size * self.slot_bytes
         if create:
-            with open(path, "wb") as f:
-                f.truncate(total)
+            _create_private(path, total)
         self.buf = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
         self.seq = self.buf[: size * LINE * 8].view(torch.int64).numpy()[::LINE]  # [size], shared
         self.calls = int(self.seq[rank])  # 0 for a new file
@@ -132,8 +141,7 @@ class ShmMailbox:
         self.path, self.rank, self.size, self.capacity = path, rank, size, capacity
         total = HEADER_BYTES + capacity
         if create:
-            with open(path, "wb") as f:
-                f.truncate(total)
+            _create_private(path, total)
         self.buf = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
         # line 0: [message number, its length (-1: not carried)]; line r: reader r's last message read
         header = self.buf[: size * LINE * 8].view(torch.int64).numpy()
