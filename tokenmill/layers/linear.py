@@ -136,12 +136,20 @@ class QuantizedLinear(nn.Module):
         return None
 
 
+# At avx512_bf16, from how many rows Int8Linear runs `kernels.int8_gemm` rather than PyTorch's
+# `_weight_int8pack_mm`: on the default model's layer matrices (2 cores, Zen 5) the two are even
+# at 8 rows and int8_gemm is 1.3-1.6x faster at 12 to 16, level with a bf16 matmul; end to end
+# (int8, decode) from 8 rows cost 18% at batch 8, from 12 gained 34% at batch 16.
+INT8_GEMM_MIN_ROWS = 12
+
+
 class Int8Linear(QuantizedLinear):
     """Weight-only int8 (`_weight_int8pack_mm`, bf16 activations). With many rows the matmul
     is compute-bound and that kernel runs at a fraction of a bf16 matmul's speed: above
     `max_rows` rows, `kernels.int8_gemm` (codes widened to bf16 once per panel of 32 output
-    channels, vdpbf16ps over all rows) where the kernels are given, else the weight dequantized
-    and multiplied in bf16. With `kernels` (see Int4Linear; in_features a multiple of 16), 1-3
+    channels, vdpbf16ps over all rows; max_rows is then at most INT8_GEMM_MIN_ROWS - 1 at
+    avx512_bf16) where the kernels are given, else the weight dequantized and multiplied in bf16.
+    With `kernels` (see Int4Linear; in_features a multiple of 16), 1-3
     rows run `kernels.int8_linear` on the same codes."""
 
     def __init__(self, record, bias, max_rows: int = 16, kernels=None):
@@ -161,6 +169,8 @@ class Int8Linear(QuantizedLinear):
                 self.kernel_max_rows = kernel_rows(kernels)[0]
             if not kernels.native_bf16():  # no rows for PyTorch's bf16 kernel between the two
                 self.max_rows = self.kernel_max_rows
+            else:  # int8_gemm from INT8_GEMM_MIN_ROWS: there it beats `_weight_int8pack_mm`
+                self.max_rows = min(self.max_rows, INT8_GEMM_MIN_ROWS - 1)
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.to(torch.bfloat16) * self.scales[:, None]
