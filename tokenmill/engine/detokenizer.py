@@ -112,16 +112,18 @@ class IncrementalDetokenizer:
     def _decode_step(self, new_token_ids: Sequence[int]) -> str:
         """The text the new tokens complete ("" while a character is still incomplete)."""
         if self._stream is not None:
-            ids = new_token_ids[0] if len(new_token_ids) == 1 else list(new_token_ids)
+            # One token a step, as single tokens arrive: a step of several tokens that ends inside
+            # a character would hold back the whole step's text, complete characters (and the
+            # stop strings in them) included, where single tokens would have let them through.
             try:
-                chunk = self._stream.step(self._backend, ids)
+                chunks = [self._stream.step(self._backend, token_id) for token_id in new_token_ids]
             except Exception:
                 # The decoder rewrote text it had already produced (DecodeStream's InvalidPrefix);
                 # finish this request on the slow path.
                 self._stream = None
             else:
-                self._maybe_holding = chunk is None
-                return chunk or ""
+                self._maybe_holding = chunks[-1] is None
+                return "".join(chunk for chunk in chunks if chunk)
         full = self._decode_output()
         if full.endswith(_REPLACEMENT_CHAR) or not full.startswith(self.output_text):
             self._maybe_holding = True
