@@ -60,7 +60,7 @@ def main() -> None:
                 dense.append(DenseLinear(w.bfloat16(), None, kernels))
     weight_bytes = {
         "fp32": sum(w.numel() * 4 for w, _, _ in layers),
-        "int8": sum(l8.codes.numel() + l8.scales.numel() * 2 for _, l8, _ in layers),
+        "int8": sum((l8.codes if l8.tiles is None else l8.tiles).numel() + l8.scales.numel() * 2 for _, l8, _ in layers),
         "int4": sum(l4.kernel_codes.numel() + l4.kernel_pairs.numel() * 2 for _, _, l4 in layers),
         "bf16": sum(w.numel() * 2 for w, _, _ in layers),
     }

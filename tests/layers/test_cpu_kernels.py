@@ -360,12 +360,13 @@ def activations(level, rows: int, in_features: int, g: torch.Generator) -> torch
     return x.bfloat16() if level.native_bf16() else x
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 13, 64, 260])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
 def test_int4_linear_matches_the_dequantized_weight(level, rows, out_features, in_features, group_size):
-    """Any number of rows, 4 at a time (6, 13: a last block of 2 and 1); the layer takes it up to
-    int4_kernel_rows and keeps no PyTorch copy of the codes."""
-    from tokenmill.layers.linear import Int4Linear, int4_kernel_rows
+    """Any number of rows, 4 at a time (6, 13: a last block of 2 and 1; 260: several panels of
+    rows), one kernel that the layer takes for every row count, without a PyTorch copy of the
+    codes."""
+    from tokenmill.layers.linear import Int4Linear
 
     g = torch.Generator().manual_seed(rows)
     codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
@@ -379,11 +380,25 @@ def test_int4_linear_matches_the_dequantized_weight(level, rows, out_features, i
     else:  # x in int8 per block of 32 against (q - 8) * scale, exact fp32 block sums against min + 8 * scale
         expected = int8_blocks(x) @ ((codes - 8) * scales).t() + x @ (mins + 8 * scales).t()
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-4)
-    if rows <= int4_kernel_rows(level)[0]:  # the layer takes this path
-        assert torch.equal(layer(x), got)
+    assert torch.equal(layer(x), got)
     assert layer.packed.numel() == 0
     # within the int8 activations' error of the exact product
     torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)
+
+
+def test_int4_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):
+    """Every weight code 15 against x codes of +-127 (a block's absmax on every value): the
+    largest int16 block sums the avx2 kernel keeps (8 x 2 x 15 x 127 = 30480) do not saturate."""
+    from tokenmill.layers.linear import Int4Linear
+    from tokenmill.quantization.formats import pack_int4
+
+    codes = torch.full((16, 128), 15)
+    record = {"codes": pack_int4(codes), "scales": torch.full((16, 4), 0.5), "mins": torch.full((16, 4), -1.0)}
+    layer = Int4Linear(record, None, level)
+    x = torch.ones(2, 128)
+    x[1] = -1
+    got = layer(x.bfloat16() if level.native_bf16() else x).float()
+    torch.testing.assert_close(got, x @ (codes * 0.5 - 1.0).t(), atol=1e-3, rtol=1e-5)  # +-832
 
 
 @pytest.mark.skipif(kernels is None or not kernels.native_bf16(), reason="bf16_linear needs AVX-512 BF16")
@@ -435,6 +450,32 @@ def test_int8_linear_matches_the_dequantized_weight(level, rows):
                                atol=0.3, rtol=2e-2)  # PyTorch's _weight_int8pack_mm (bf16)
 
 
+@pytest.mark.skipif(kernels is None or not kernels.native_bf16(), reason="int8_tiled_linear needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 24, 25, 64, 260])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (48, 1536), (32, 132)])
+def test_int8_tiled_linear_matches_the_dequantized_weight(rows, out_features, in_features):
+    """Tiles of 16 output channels at every row count (one tile at a time with 1-24 rows, 4 rows
+    a pass and a remainder; widened once into a buffer from 25); K a multiple of 4 but not of 8
+    (132); exact products, fp32 sums, one rounding. Int8Linear keeps only the tiles and runs them
+    at every row count."""
+    from tokenmill.layers.linear import Int8Linear, _tiled_int8_layout
+    from tokenmill.quantization.formats import quantize_int8
+
+    g = torch.Generator().manual_seed(rows)
+    codes, scales = quantize_int8(torch.randn(out_features, in_features, generator=g))
+    codes[0, :16] = -128  # the code range's end, exact in bf16
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bf16_scales = scales.to(torch.bfloat16)
+    got = kernels.int8_tiled_linear(x, _tiled_int8_layout(codes), bf16_scales)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    expected = (x.float() @ codes.float().t()) * bf16_scales.float()
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    if in_features % 16 == 0:
+        layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=kernels)
+        assert layer.codes is None and layer.tiles.shape == (out_features // 16, in_features // 2, 32)
+        assert torch.equal(layer(x), got)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 17, 64, 100, 260])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(200, 576, False), (37, 48, True), (64, 1536, False)])
 def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, with_bias):
@@ -452,38 +493,14 @@ def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
     bias = torch.randn(out_features, generator=g).to(x.dtype) if with_bias else None
     layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=level)
     expected = (x.float() @ codes.float().t()) * layer.scales.float() + (bias.float() if with_bias else 0)
-    got = level.int8_gemm(x, layer.codes, layer.scales, bias)
+    got = level.int8_gemm(x, codes, layer.scales, bias)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
     # exact products (bf16) or fp32 weights code * scale (fp32), fp32 sums, one rounding
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
-    if rows > layer.max_rows:
-        assert torch.equal(layer(x), level.int8_gemm(x, layer.codes, layer.scales))
+    if rows > layer.max_rows and layer.tiles is None:  # (avx512_bf16, 16 | out_features: int8_tiled_linear)
+        assert torch.equal(layer(x), level.int8_gemm(x, codes, layer.scales))
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        level.int8_gemm(x[:, :8].contiguous(), layer.codes[:, :8].contiguous(), layer.scales)
-
-
-@pytest.mark.parametrize("rows", [1, 4, 9, 13, 64, 260])
-@pytest.mark.parametrize("out_features,in_features,group_size", [(960, 576, 32), (48, 1536, 128), (32, 128, 64)])
-def test_int4_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, group_size):
-    """The many-row int4 kernel reads int4_linear's codes and pairs (at avx512_bf16 it is
-    int4_linear's kernel; at the avx2 levels fp32 weight panels, from 256 rows the whole weight
-    widened once and multiplied by at::mm). Int4Linear takes it above int4_linear's rows."""
-    from tokenmill.layers.linear import Int4Linear, int4_kernel_rows
-
-    g = torch.Generator().manual_seed(rows)
-    codes, record, scales, mins = random_int4(out_features, in_features, group_size, g)
-    layer = Int4Linear(record, None, level)
-    weight = codes * scales + mins
-    x = activations(level, rows, in_features, g)
-    got = level.int4_gemm(x, layer.kernel_codes, layer.kernel_pairs, group_size)
-    assert got.dtype == x.dtype and got.shape == (rows, out_features)
-    # exact products with the codes, fp32 sums, scale and min per group in fp32 (avx512_bf16: the
-    # kernel of int4_linear), or fp32 weights q * scale + min (avx2)
-    torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
-    if rows >= int4_kernel_rows(level)[1]:
-        assert torch.equal(layer(x), got)
-    # within PyTorch's kernel's distance of the unrounded weight (its tolerance above)
-    torch.testing.assert_close(got.float(), x.float() @ (codes * scales + mins).t(), atol=6e-2, rtol=2e-2)
+        level.int8_gemm(x[:, :8].contiguous(), codes[:, :8].contiguous(), layer.scales)
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (12, 2, 64)])

@@ -122,12 +122,11 @@ def test_bf16_steps_with_prefill_chunks(bf16_runner, seq_lens, prefill):
 
 
 @pytest.mark.parametrize("options,seq_lens", [
-    ({"quantization": "int4"}, [5, 40, 33]),  # int4_linear (<= 3 rows)
-    ({"quantization": "int4"}, [5, 40, 33, 7, 90, 12]),  # bf16: PyTorch's int4 kernel (4-23 rows); else int4_linear
-    ({"quantization": "int4"}, list(range(1, 31))),  # int4_gemm (>= 24 rows)
-    ({"quantization": "int8"}, [3, 70]),  # the int8 kernel (<= 16 rows)
-    ({"quantization": "int8"}, [3, 70, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),  # bf16: PyTorch's; else int8_gemm
-    ({"quantization": "int8"}, list(range(1, 41))),  # int8_gemm (> 16 rows)
+    ({"quantization": "int4"}, [5, 40, 33]),  # int4_linear (one kernel for every row count)
+    ({"quantization": "int4"}, list(range(1, 31))),
+    ({"quantization": "int8"}, [3, 70]),  # the int8 few-row kernel
+    ({"quantization": "int8"}, [3, 70, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),  # bf16: PyTorch's, then int8_gemm; else int8_gemm
+    ({"quantization": "int8"}, list(range(1, 41))),  # int8_gemm
     ({"kv_cache_dtype": "int8", "quantization": "none"}, [9, 130]),
 ])
 def test_quantized_linears_and_kv_cache(options, seq_lens):

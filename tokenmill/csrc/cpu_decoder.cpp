@@ -25,11 +25,11 @@ namespace py = pybind11;
 
 // One linear of models/llama.py in a format of layers/linear.py, as its `cpu_decoder_spec()` gives it:
 // (kind, weight, scales, bias, input_scale, group_size_or_max_rows, kernel_codes, kernel_pairs,
-// kernel_max_rows, gemm_min_rows): the layer decides its own row rule, the stack follows it.
+// kernel_max_rows): the layer decides its own row rule, the stack follows it.
 struct Linear {
-  enum class Kind { kDense, kOneDnn, kInt8, kInt4 };
+  enum class Kind { kDense, kOneDnn, kInt8, kInt8Tiled, kInt4 };
   Kind kind;
-  at::Tensor weight;  // dense: [out, in]; onednn: the packed weight; int8: codes; int4: packed codes
+  at::Tensor weight;  // dense: [out, in]; onednn: the packed weight; int8: codes (int8_tiled: in tiles); int4: packed codes
   at::Tensor scales;  // int8: per-channel bf16 scales; int4: [groups, out, 2] scales and zeros
   c10::optional<at::Tensor> bias, input_scale;
   int64_t param = 0;  // int4: group size; int8: the most rows for the int8 kernel
@@ -37,11 +37,10 @@ struct Linear {
   // bf16_linear's plain weight.
   c10::optional<at::Tensor> kernel_codes, kernel_pairs;
   int64_t kernel_max_rows = 0;  // the most rows for them (0: none; layers/linear.py kernel_rows)
-  int64_t gemm_min_rows = 0;  // int4: from how many rows int4_gemm runs
 
   static Linear from_spec(const py::tuple& spec) {
-    TORCH_CHECK(spec.size() == 10, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, "
-                "pairs, kernel_max_rows, gemm_min_rows)");
+    TORCH_CHECK(spec.size() == 9, "a linear spec is (kind, weight, scales, bias, input_scale, param, kernel codes, "
+                "pairs, kernel_max_rows)");
     Linear l;
     const auto kind = spec[0].cast<std::string>();
     if (kind == "dense") {
@@ -50,6 +49,8 @@ struct Linear {
       l.kind = Kind::kOneDnn;
     } else if (kind == "int8") {
       l.kind = Kind::kInt8;
+    } else if (kind == "int8_tiled") {
+      l.kind = Kind::kInt8Tiled;
     } else if (kind == "int4") {
       l.kind = Kind::kInt4;
     } else {
@@ -61,7 +62,6 @@ struct Linear {
     if (!spec[4].is_none()) l.input_scale = spec[4].cast<at::Tensor>();
     l.param = spec[5].cast<int64_t>();
     l.kernel_max_rows = spec[8].cast<int64_t>();
-    l.gemm_min_rows = spec[9].cast<int64_t>();
     if (!spec[6].is_none()) l.kernel_codes = spec[6].cast<at::Tensor>();
     if (!spec[7].is_none()) l.kernel_pairs = spec[7].cast<at::Tensor>();
     return l;
@@ -84,10 +84,10 @@ struct Linear {
     const int64_t rows = xs.size(0);
     const auto bf16 = [&] { return xs.scalar_type() == at::kBFloat16 ? xs : xs.to(at::kBFloat16); };
     at::Tensor y;
-    if (kind == Kind::kInt4 && kernel_codes && rows <= kernel_max_rows) {
+    if (kind == Kind::kInt8Tiled) {
+      y = int8_tiled_linear(xs.contiguous(), weight, scales);
+    } else if (kind == Kind::kInt4 && kernel_codes && rows <= kernel_max_rows) {
       y = int4_linear(xs.contiguous(), *kernel_codes, *kernel_pairs, param);
-    } else if (kind == Kind::kInt4 && kernel_codes && rows >= gemm_min_rows) {  // many rows
-      y = int4_gemm(xs.contiguous(), *kernel_codes, *kernel_pairs, param);
     } else if (kind == Kind::kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(bf16(), weight, param, scales);
     } else if (kernel_codes && rows <= kernel_max_rows) {  // int8

@@ -4,7 +4,7 @@
 // compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere gemv_supported() is
 // false and the linears keep PyTorch's kernels.
 //
-// int4_linear / int4_gemm: weight-only int4 (layers/linear.py Int4Linear), w = q * scale + min per
+// int4_linear: weight-only int4 (layers/linear.py Int4Linear), w = q * scale + min per
 // group of `group_size` input channels (q = 0..15), one kernel for every row count over a layout
 // made for vdpbf16ps: output channels in tiles of 16; per tile and quad of input channels
 // 4i .. 4i + 3, 32 bytes where byte 2c + j holds q(c, 4i + j) | q(c, 4i + 2 + j) << 4 (c: the
@@ -14,7 +14,7 @@
 // once, no horizontal sums). Per group the sums take the group's 16 scales (an FMA) and
 // min * sum(x of the group) (another); scales and mins are bf16 [tiles, groups, 32] (16 scales,
 // then 16 mins). Few rows widen the codes as they go; from kInt4BufferedRows rows a tile pair
-// is widened once into a buffer that every block of rows reads (int4_tiled_matmul).
+// is widened once into a buffer that every block of rows reads (tiled_matmul).
 // bf16_linear: a bf16 weight [N, K] as it is (DenseLinear), 32 weights per vdpbf16ps.
 // int8_linear: weight-only int8 with one scale per output row (Int8Linear, the quantized
 // configs' LM head), codes widened to fp32 16 at a time, fp32 FMAs, the scale applied once.
@@ -53,17 +53,23 @@ inline __m512 bf16x16_to_fp32(const uint16_t* p) {
 // over that buffer.
 constexpr int64_t kInt4BufferedRows = 12;
 constexpr int64_t kInt4BufferRows = 8;
+constexpr int64_t kInt8SingleTileRows = 24;
+constexpr int64_t kInt8BufferedRows = 25;
 
-// The int4 weights of a call (see the layout above) and what every tile kernel shares.
-struct Int4Tiles {
+// The tiled weights of a call and what every tile kernel shares: int4 (see the layout above)
+// or int8 (Int8 = true: per tile and quad of input channels, 64 bytes, byte 2c + j of the first
+// 32 = code(c, 4i + j), of the second code(c, 4i + 2 + j); one group; sm: the [N] bf16 scales,
+// no mins).
+struct Tiles {
   const uint32_t* x;  // bf16 pairs, kpairs per row
-  const float* xs;    // per row of x, its group sums [M, groups]
+  const float* xs;    // int4: per row of x, its group sums [M, groups]
   const uint8_t* codes;
   const uint16_t* sm;
   uint16_t* y;        // bf16 [M, N]
   int64_t kpairs, groups, quads_per_group, N;
-  int64_t tile_bytes() const { return kpairs / 2 * 32; }
-  int64_t tile_sm() const { return groups * 32; }
+  int64_t quad_bytes;  // 32 (int4) or 64 (int8)
+  int64_t tile_bytes() const { return kpairs / 2 * quad_bytes; }
+  int64_t tile_sm() const { return quad_bytes == 32 ? groups * 32 : 16; }
 };
 
 // One quad of a tile's codes (32 bytes at p) widened through `table`: lo = the 16 channels'
@@ -74,11 +80,27 @@ inline void widen_int4_quad(const uint8_t* p, __m512i table, __m512i& lo, __m512
   hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
 }
 
+// One quad of an int8 tile's codes (64 bytes at p) as the same two operands (exact in bf16).
+inline void widen_int8_quad(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  const auto* c = reinterpret_cast<const int8_t*>(p);
+  lo = (__m512i)_mm512_cvtne2ps_pbh(tokenmill::int8x16_to_fp32(c + 16), tokenmill::int8x16_to_fp32(c));
+  hi = (__m512i)_mm512_cvtne2ps_pbh(tokenmill::int8x16_to_fp32(c + 48), tokenmill::int8x16_to_fp32(c + 32));
+}
+
+template <bool Int8>
+inline void widen_quad(const uint8_t* p, __m512i table, __m512i& lo, __m512i& hi) {
+  if constexpr (Int8) {
+    widen_int8_quad(p, lo, hi);
+  } else {
+    widen_int4_quad(p, table, lo, hi);
+  }
+}
+
 // y[r, 16 t0 .. 16 (t0 + T)) for R rows of x from row m0, T tiles from tile t0 (cols: the valid
 // output channels of them); S accumulators per (row, tile) so that enough sums are in flight.
 // Buffered: the tiles' widened pairs from buf ([kpairs][16 T] pairs) instead of their codes.
-template <int R, int T, int S, bool Buffered = false>
-void int4_tiles(const Int4Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512i table, const uint32_t* buf = nullptr) {
+template <bool Int8, int R, int T, int S, bool Buffered = false>
+void tile_rows(const Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512i table, const uint32_t* buf = nullptr) {
   const uint32_t* x = a.x + m0 * a.kpairs;
   const uint8_t* codes = a.codes + t0 * a.tile_bytes();
   const uint16_t* sm = a.sm + t0 * a.tile_sm();
@@ -100,9 +122,10 @@ void int4_tiles(const Int4Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512
           lo[t] = _mm512_loadu_si512(buf + (2 * q) * (16 * T) + 16 * t);
           hi[t] = _mm512_loadu_si512(buf + (2 * q + 1) * (16 * T) + 16 * t);
         } else {
-          const uint8_t* p = codes + t * a.tile_bytes() + q * 32;
+          const uint8_t* p = codes + t * a.tile_bytes() + q * a.quad_bytes;
           _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes), _MM_HINT_T0);
-          widen_int4_quad(p, table, lo[t], hi[t]);
+          if constexpr (Int8) _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes + 32), _MM_HINT_T0);
+          widen_quad<Int8>(p, table, lo[t], hi[t]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -115,13 +138,13 @@ void int4_tiles(const Int4Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512
       }
     }
     for (int t = 0; t < T; ++t) {
-      const __m512 scale = bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32);
-      const __m512 mins = bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32 + 16);
+      const __m512 scale = bf16x16_to_fp32(sm + t * a.tile_sm() + (Int8 ? 0 : g * 32));
+      const __m512 mins = Int8 ? _mm512_setzero_ps() : bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32 + 16);
       for (int r = 0; r < R; ++r) {
         __m512 d = dot[r][t][0];
         if constexpr (S == 2) d = _mm512_add_ps(d, dot[r][t][1]);
         acc[r][t] = _mm512_fmadd_ps(d, scale, acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.xs[(m0 + r) * a.groups + g]), acc[r][t]);
+        if constexpr (!Int8) acc[r][t] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.xs[(m0 + r) * a.groups + g]), acc[r][t]);
       }
     }
   }
@@ -146,36 +169,45 @@ void with_rows_up_to_8(int64_t rows, const F& f) {
   }
 }
 
-// y = x W^T for the int4 weight of `a`, every row count, over items of tiles taken by the
+// y = x W^T for the tiled weight of `a`, every row count, over items of tiles taken by the
 // threads in turn. One row: one tile at a time (one stream of codes per thread reads fastest).
 // Few rows: tile pairs (an x pair broadcast once for 32 channels), widened as they go, 4 rows at
 // a time. From kInt4BufferedRows rows: a tile pair widened once into a buffer that blocks of
 // kInt4BufferRows rows read.
-void int4_tiled_matmul(const Int4Tiles& a, int64_t M) {
+template <bool Int8>
+void tiled_matmul(const Tiles& a, int64_t M) {
   alignas(64) uint16_t table_bits[32];
   for (int i = 0; i < 32; ++i) table_bits[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
   const __m512i table = _mm512_load_si512(table_bits);
-  const int64_t tiles = a.N / 16, per_item = M == 1 ? 1 : 2;
-  const bool buffered = M >= kInt4BufferedRows;
+  // int8 widens at twice int4's cost a quad: one tile at a time up to kInt8SingleTileRows rows,
+  // and buffered from kInt8BufferedRows
+  const int64_t tiles = a.N / 16, per_item = M <= (Int8 ? kInt8SingleTileRows : 1) ? 1 : 2;
+  const bool buffered = M >= (Int8 ? kInt8BufferedRows : kInt4BufferedRows);
   at::parallel_for(0, (tiles + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> buf(buffered ? a.kpairs * 32 : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t0 = item * per_item, n = std::min(per_item, tiles - t0);
       if (M == 1) {
-        int4_tiles<1, 1, 2>(a, 0, t0, 16, table);
+        tile_rows<Int8, 1, 1, 2>(a, 0, t0, 16, table);
+      } else if (per_item == 1) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto r) {
+            tile_rows<Int8, decltype(r)::value, 1, 2>(a, m0, t0, 16, table);
+          });
+        }
       } else if (buffered && n == 2) {
         const uint8_t* codes = a.codes + t0 * a.tile_bytes();
         for (int64_t q = 0; q < a.kpairs / 2; ++q) {
           for (int t = 0; t < 2; ++t) {
             __m512i lo, hi;
-            widen_int4_quad(codes + t * a.tile_bytes() + q * 32, table, lo, hi);
+            widen_quad<Int8>(codes + t * a.tile_bytes() + q * a.quad_bytes, table, lo, hi);
             _mm512_storeu_si512(buf.data() + (2 * q) * 32 + 16 * t, lo);
             _mm512_storeu_si512(buf.data() + (2 * q + 1) * 32 + 16 * t, hi);
           }
         }
         for (int64_t m0 = 0; m0 < M; m0 += kInt4BufferRows) {
           with_rows_up_to_8(std::min(kInt4BufferRows, M - m0), [&](auto r) {
-            int4_tiles<decltype(r)::value, 2, 1, true>(a, m0, t0, 32, table, buf.data());
+            tile_rows<Int8, decltype(r)::value, 2, 1, true>(a, m0, t0, 32, table, buf.data());
           });
         }
       } else {
@@ -183,9 +215,9 @@ void int4_tiled_matmul(const Int4Tiles& a, int64_t M) {
           tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto r) {
             constexpr int R = decltype(r)::value;
             if (n == 2) {
-              int4_tiles<R, 2, (R <= 2 ? 2 : 1)>(a, m0, t0, 32, table);
+              tile_rows<Int8, R, 2, (R <= 2 ? 2 : 1)>(a, m0, t0, 32, table);
             } else {
-              int4_tiles<R, 1, 2>(a, m0, t0, 16, table);
+              tile_rows<Int8, R, 1, 2>(a, m0, t0, 16, table);
             }
           });
         }
@@ -395,9 +427,9 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
   return x.to(tokenmill::kAvx512Bf16Built ? at::kBFloat16 : at::kFloat);
 }
 
-// int4_linear's and int4_gemm's weight. AVX-512 BF16: packed [N/16, K/4, 32] uint8 and pairs
-// [N/16, K/group_size, 32] bf16 (the tiled layout above); AVX2: packed [N, K/2] uint8 and pairs
-// [N, K/group_size, 2] bf16 (cpu_gemv_avx2.cpp). Returns N.
+// int4_linear's weight. AVX-512 BF16: packed [N/16, K/4, 32] uint8 and pairs [N/16,
+// K/group_size, 32] bf16 (the tiled layout above); AVX2: packed [N/8, K/8, 32] uint8 and pairs
+// [N/8, K/group_size, 16] bf16 (tiles of 8 channels, cpu_gemv_avx2.cpp). Returns N.
 int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
@@ -409,16 +441,16 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
                 "pairs: bf16 [N/16, K/group_size, 32]");
     return packed.size(0) * 16;
   }
-  const int64_t N = packed.size(0);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == K / 2, "packed: uint8 [N, K/2]");
-  TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == N &&
-                  pairs.size(1) == K / group_size && pairs.size(2) == 2,
-              "pairs: bf16 [N, K/group_size, 2]");
-  return N;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K / 8 && packed.size(2) == 32,
+              "packed: uint8 [N/8, K/8, 32]");
+  TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
+                  pairs.size(1) == K / group_size && pairs.size(2) == 16,
+              "pairs: bf16 [N/8, K/group_size, 16]");
+  return packed.size(0) * 8;
 }
 
 #if defined(TOKENMILL_AVX512_BF16)
-// int4_linear and int4_gemm at this level: one kernel for every row count.
+// int4_linear at this level: one kernel for every row count.
 at::Tensor int4_avx512(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size,
                        int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / group_size;
@@ -436,10 +468,10 @@ at::Tensor int4_avx512(const at::Tensor& x, const at::Tensor& packed, const at::
       xs[m * groups + g] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
-  const Int4Tiles a{reinterpret_cast<const uint32_t*>(xb), xs.data(), packed.data_ptr<uint8_t>(),
-                    reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>()),
-                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, groups, group_size / 4, N};
-  int4_tiled_matmul(a, M);
+  const Tiles a{reinterpret_cast<const uint32_t*>(xb), xs.data(), packed.data_ptr<uint8_t>(),
+                reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, groups, group_size / 4, N, 32};
+  tiled_matmul<false>(a, M);
   return y;
 }
 #endif
@@ -459,6 +491,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor y = tokenmill::avx2::int4_linear(as_kernel_dtype(x), packed, pairs, group_size);
 #else
   const at::Tensor y = not_built("int4_linear");
+#endif
+  return y.to(x.scalar_type());
+}
+
+// x [M, K] bf16 contiguous, any M >= 1; tiles: int8 codes [N/16, K/2, 32] (layers/linear.py
+// _tiled_int8_layout), K a multiple of 4; scales [N] bf16. Returns y [M, N] bf16 = (x codes^T)
+// * scales: exact products, fp32 sums, one rounding. (AVX-512 BF16 only.)
+at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales) {
+  TORCH_CHECK(native_bf16(), "int8_tiled_linear needs AVX-512 BF16 (see native_bf16)");
+  check_matmul_args("int8_tiled_linear", x, {&tiles, &scales}, 0);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kChar && tiles.size(1) * 2 == K && tiles.size(2) == 32 &&
+                  K % 4 == 0,
+              "tiles: int8 [N/16, K/2, 32], K a multiple of 4");
+  const int64_t N = tiles.size(0) * 16;
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
+  const at::Tensor xk = as_kernel_dtype(x);
+  at::Tensor y = at::empty({M, N}, xk.options());
+#ifdef TOKENMILL_AVX512_BF16
+  const Tiles a{reinterpret_cast<const uint32_t*>(xk.data_ptr<c10::BFloat16>()), nullptr,
+                reinterpret_cast<const uint8_t*>(tiles.data_ptr<int8_t>()),
+                reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, 1, K / 4, N, 64};
+  tiled_matmul<true>(a, M);
 #endif
   return y.to(x.scalar_type());
 }
@@ -542,21 +598,6 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const at::Tensor y = tokenmill::avx2::int8_gemm(xk, codes, scales, bias);
 #else
   const at::Tensor y = not_built("int8_gemm");
-#endif
-  return y.to(x.scalar_type());
-}
-
-// As int4_linear: at AVX-512 BF16 the same kernel; at AVX2 the many-row one (cpu_gemv_avx2.cpp:
-// fp32 weight panels), which Int4Linear takes above the few-row kernel's rows.
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  check_matmul_args("int4_gemm", x, {&packed, &pairs}, 0);
-  const int64_t N = check_int4_weight(x.size(1), packed, pairs, group_size);
-#if defined(TOKENMILL_AVX512_BF16)
-  const at::Tensor y = int4_avx512(x, packed, pairs, group_size, N);
-#elif defined(TOKENMILL_AVX2)
-  const at::Tensor y = tokenmill::avx2::int4_gemm(as_kernel_dtype(x), packed, pairs, group_size);
-#else
-  const at::Tensor y = not_built("int4_gemm");
 #endif
   return y.to(x.scalar_type());
 }

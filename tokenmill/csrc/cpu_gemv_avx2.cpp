@@ -1,29 +1,29 @@
 // The quantized matmuls for CPUs without bf16 dot products (x86-64-v3: AVX2, FMA, F16C), the
-// kernels behind int8_linear / int4_linear / int8_gemm / int4_gemm (cpu_gemv.cpp) at the avx2
-// and avx512 levels. Activations are fp32 (dtype "auto" on these CPUs).
+// kernels behind int8_linear / int4_linear / int8_gemm (cpu_gemv.cpp) at the avx2 and avx512
+// levels. Activations are fp32 (dtype "auto" on these CPUs).
 //
-// Few rows (decode): memory-bound, so the weight is read once as it is stored and multiplied in
-// integers, as llama.cpp does. Each row of x is quantized to int8 per block of 32 values
-// (d = absmax / 127, codes round(x / d)); a block's dot product with 32 weight codes is
-// vpmaddubsw (unsigned x signed bytes, pairs summed to int16) + vpmaddwd (to int32), then one
-// fp32 FMA with the block's scale.
-// - int8 (symmetric, one scale per output channel): |w| as the unsigned operand and the x codes
-//   with w's sign as the signed one (|w| <= 128, |x code| <= 127: no int16 overflow); y = scale *
-//   sum_blocks d_b * isum_b.
-// - int4 (asymmetric groups, w = q * scale + min, q = 0..15, the 64-code chunks of
-//   Int4Linear: byte j holds q[j] low, q[32 + j] high): q is the unsigned operand as it is.
-//   With z = min + 8 scale, w = (q - 8) scale + z, and sum (q - 8) x_code = isum_b - 8 csum_b
-//   (csum_b: the block's sum of x codes) exactly, so
+// Integer products, as llama.cpp does: each row of x is quantized to int8 per block of 32 values
+// (d = absmax / 127, codes round(x / d)) and multiplied with the weight codes by vpmaddubsw
+// (unsigned x signed bytes, pairs summed to int16).
+// - int8 (symmetric, one scale per output channel), few rows (decode, memory-bound; the weight
+//   read once as it is stored): a block's dot product with 32 codes is vpmaddubsw with |w| as
+//   the unsigned operand and the x codes with w's sign as the signed one (|w| <= 128, |x code|
+//   <= 127: no int16 overflow), vpmaddwd to int32, then one fp32 FMA with the block's scale;
+//   y = scale * sum_blocks d_b * isum_b. Many rows (compute-bound): the int16 sums of int8 x
+//   int8 cannot be added without overflow, so an integer product costs as many instructions as
+//   an fp32 FMA; the weights are widened to fp32 once per panel of output channels (in a
+//   per-thread buffer that stays in cache) and every 4-row tile of x runs over the panel, 4 x 3
+//   accumulators of 8 dot-product lanes; from kDenseRows rows (prefill) the whole weight is
+//   widened once and at::mm multiplies it.
+// - int4 (asymmetric groups, w = q * scale + min, q = 0..15), every row count: one kernel over
+//   tiles of 8 output channels (int4_tile). q is the unsigned operand as it is, and 8 products
+//   of 15 x 127 fit an int16 sum, so a whole block's sums stay in int16: one vpmaddubsw per 32
+//   products, where fp32 needs four FMAs. With z = min + 8 scale, w = (q - 8) scale + z, and
+//   sum (q - 8) x_code = isum_b - 8 csum_b (csum_b: the block's sum of x codes) exactly, so
 //   y = sum_blocks scale_g d_b (isum_b - 8 csum_b) + sum_blocks z_g * sum(x of block b).
 //   Splitting around the group's middle keeps the quantization error of x multiplied by
 //   weights of the size of w - z (centred, like int8's), not of w - min (up to twice the
 //   range): with min in place of z, batch-1 perplexity was 2% above the bf16 path's.
-// Many rows (batched decode, prefill): compute-bound, so weights are widened to fp32 once per
-// panel of output channels (row-major, in a per-thread buffer that stays in cache) and every
-// 4-row tile of x runs over the panel, 4 x 3 accumulators of 8 dot-product lanes. From
-// kDenseRows rows (prefill) the whole weight is widened once and at::mm multiplies it. Without
-// VNNI an integer dot product costs as many instructions per product as an fp32 FMA, so at
-// many rows these run at fp32's speed, not above it.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
@@ -43,6 +43,7 @@ constexpr int64_t kTileRows = 4;  // rows of x per few-row pass and per many-row
 static_assert(kTileRows == 4, "with_row_count (cpu_common.h) dispatches 1-4 rows");
 constexpr int64_t kTileCols = 3;  // output channels per many-row tile
 constexpr int64_t kPanel = 24;    // output channels widened to fp32 at a time (a multiple of kTileCols)
+constexpr int64_t kPanelTiles = 8;  // int4 tiles of 8 output channels a thread runs all rows over at a time
 constexpr int64_t kDenseRows = 256;  // from this many rows the whole weight is widened and multiplied by at::mm
 // How far ahead of its weight reads a few-row kernel prefetches: the hardware prefetcher alone
 // left them at ~55% of the bandwidth F.linear's fp32 reads reach (benchmarks/cpu_matmul.py).
@@ -55,38 +56,59 @@ inline float hsum(__m256 v) {
 }
 
 // x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale), sums
-// [M, K/32] (the block's exact fp32 sum) and code_sums (the sum of its codes), the last two for int4.
+// [M, K/32] (the block's exact fp32 sum) and code_sums (the sum of its codes), the last two for
+// int4. The arrays live in a buffer of the calling thread, reused by its next matmul (prefill
+// quantizes ~1M values a matmul: fresh pages each call would cost more than the quantizing), and
+// many rows are quantized in parallel.
 struct QuantizedRows {
   int64_t blocks = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d, sums, code_sums;
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  float* sums = nullptr;
+  int32_t* code_sums = nullptr;
 
-  QuantizedRows(const float* x, int64_t M, int64_t K)
-      : blocks(K / kBlock), q(M * K), d(M * blocks), sums(M * blocks), code_sums(M * blocks) {
+  QuantizedRows(const float* x, int64_t M, int64_t K) : blocks(K / kBlock) {
+    thread_local std::vector<int8_t> q_buffer;
+    thread_local std::vector<float> float_buffer;
+    thread_local std::vector<int32_t> int_buffer;
+    const int64_t n = M * blocks;
+    if (static_cast<int64_t>(q_buffer.size()) < M * K) q_buffer.resize(M * K);
+    if (static_cast<int64_t>(float_buffer.size()) < 2 * n) float_buffer.resize(2 * n);
+    if (static_cast<int64_t>(int_buffer.size()) < n) int_buffer.resize(n);
+    q = q_buffer.data();
+    d = float_buffer.data();
+    sums = d + n;
+    code_sums = int_buffer.data();
+    at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) quantize_block(x + b * kBlock, b);
+    });
+  }
+
+ private:
+  void quantize_block(const float* src, int64_t b) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t b = 0; b < M * blocks; ++b) {
-      const float* src = x + b * kBlock;
-      __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(src + 8 * i);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-        sum = _mm256_add_ps(sum, v[i]);
-      }
-      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-      const float max = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-      d[b] = max / 127.f;
-      sums[b] = hsum(sum);
-      const __m256 inv = _mm256_set1_ps(max > 0.f ? 127.f / max : 0.f);
-      __m256i c[4];
-      for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
-      code_sums[b] = hsum(_mm256_cvtepi32_ps(
-          _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]))));
-      // packs work within 128-bit lanes; the permute puts the 32 codes back in order
-      const __m256i c16 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + b * kBlock), _mm256_permutevar8x32_epi32(c16, order));
+    __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(src + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      sum = _mm256_add_ps(sum, v[i]);
     }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float max = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    d[b] = max / 127.f;
+    sums[b] = hsum(sum);
+    const __m256 inv = _mm256_set1_ps(max > 0.f ? 127.f / max : 0.f);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
+    const __m256i c32 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    const __m128i c8 = _mm_add_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1));
+    const __m128i c4 = _mm_add_epi32(c8, _mm_shuffle_epi32(c8, 0x4E));
+    code_sums[b] = _mm_cvtsi128_si32(_mm_add_epi32(c4, _mm_shuffle_epi32(c4, 0xB1)));
+    // packs work within 128-bit lanes; the permute puts the 32 codes back in order
+    const __m256i c16 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(c16, order));
   }
 };
 
@@ -123,8 +145,8 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
   const int8_t* xr[R];
   const float* dr[R];
   for (int r = 0; r < R; ++r) {
-    xr[r] = xq.q.data() + (r0 + r) * K;
-    dr[r] = xq.d.data() + (r0 + r) * xq.blocks;
+    xr[r] = xq.q + (r0 + r) * K;
+    dr[r] = xq.d + (r0 + r) * xq.blocks;
   }
   over_channels<R>(begin, end, [&](auto c_count, int64_t n) {
     constexpr int C = decltype(c_count)::value;
@@ -167,113 +189,72 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
   });
 }
 
-// For one int4 output channel, from its (scale, min) per block (bf16 pairs, scale in the low
-// half): fac[r][b] = scale_b * d[r][b], the factor of block b's integer dot product with row r,
-// and mins[r] += z_b * sum(x of row r's block b) - 8 fac[r][b] * (its code sum), 8 blocks a vector.
+// int4 over tiles of 8 output channels (Int4Linear's layout at this level, layers/linear.py
+// _avx2_tiled_int4_layout): codes [N/8, K/8, 32], byte 4c + j of step t = q(c, 8t + j) |
+// q(c, 8t + 4 + j) << 4, so one 32-byte load gives the 8 channels' codes for 4 input channels
+// (low nibbles) and the next 4 (high), each channel's 4 codes in its own 32-bit lane; pairs
+// [N/8, groups, 16] bf16, the tile's 8 scales then its 8 mins. x's 4 codes are broadcast to
+// every lane, vpmaddubsw multiplies them with the 8 channels' codes, and the int16 sums of a whole
+// block of 32 stay in one register (|sum| <= 8 x 2 x 15 x 127 = 30480): one vpmaddwd per block
+// and row, not per 32 products. So many rows run near two vpmaddubsw a cycle, where fp32 FMAs
+// do a quarter of the products (prefill and batched decode are compute-bound), and few rows
+// read the tiles as one stream (decode is memory-bound). Rows r0 .. r0 + R - 1, one tile.
 template <int R>
-inline void int4_block_factors(const uint32_t* block_pairs, const float* const* dr, const float* const* sr,
-                               const float* const* cr, int64_t blocks, float* fac, __m256* mins) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m256 eight = _mm256_set1_ps(8.f);
-  for (int64_t b = 0; b < blocks; b += 8) {
-    const __m256i mask = tail_mask(blocks - b);
-    const __m256i p = _mm256_maskload_epi32(reinterpret_cast<const int*>(block_pairs + b), mask);
-    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-    const __m256 min = _mm256_castsi256_ps(_mm256_and_si256(p, high));
-    const __m256 zero_point = _mm256_fmadd_ps(eight, scale, min);
-    for (int r = 0; r < R; ++r) {
-      const __m256 f = _mm256_mul_ps(scale, _mm256_maskload_ps(dr[r] + b, mask));
-      _mm256_maskstore_ps(fac + r * blocks + b, mask, f);
-      mins[r] = _mm256_fmadd_ps(zero_point, _mm256_maskload_ps(sr[r] + b, mask), mins[r]);
-      mins[r] = _mm256_fnmadd_ps(_mm256_mul_ps(eight, f), _mm256_maskload_ps(cr[r] + b, mask), mins[r]);
-    }
-  }
-}
-
-// As int8_rows for int4: packed [N, K/2] (64-code chunks), pairs [N, groups] (scale, min) bf16.
-template <int R>
-void int4_rows(const QuantizedRows& xq, int64_t r0, const uint8_t* packed, const uint32_t* pairs, float* y,
-               int64_t K, int64_t N, int64_t group_size, int64_t begin, int64_t end) {
-  const __m256i ones = _mm256_set1_epi16(1);
+void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const uint16_t* pairs, float* y, int64_t N,
+               int64_t n0, int64_t blocks_per_group) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  constexpr int S = kSplits<R>;
-  const int64_t blocks = xq.blocks, groups = K / group_size, blocks_per_group = group_size / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 eight = _mm256_set1_ps(8.f);
+  const int64_t blocks = xq.blocks, K = blocks * kBlock;
   const int8_t* xr[R];
   const float* dr[R];
   const float* sr[R];
-  const float* cr[R];
+  const int32_t* cr[R];
+  __m256 acc[R];
   for (int r = 0; r < R; ++r) {
-    xr[r] = xq.q.data() + (r0 + r) * K;
-    dr[r] = xq.d.data() + (r0 + r) * blocks;
-    sr[r] = xq.sums.data() + (r0 + r) * blocks;
-    cr[r] = xq.code_sums.data() + (r0 + r) * blocks;
+    xr[r] = xq.q + (r0 + r) * K;
+    dr[r] = xq.d + (r0 + r) * blocks;
+    sr[r] = xq.sums + (r0 + r) * blocks;
+    cr[r] = xq.code_sums + (r0 + r) * blocks;
+    acc[r] = _mm256_setzero_ps();
   }
-  // per pass: each channel's block factors [C][R][blocks] and, for groups wider than a block,
-  // its (scale, min) pairs repeated for every block of the group (per thread, reused: a pass
-  // runs for every few channels)
-  thread_local std::vector<float> fac_buffer;
-  thread_local std::vector<uint32_t> expanded_buffer;
-  fac_buffer.resize(kChannels<R> * R * blocks);
-  expanded_buffer.resize(blocks);
-  float* const fac = fac_buffer.data();
-  uint32_t* const expanded = expanded_buffer.data();
-  const int64_t row_bytes = K / 2;
-  over_channels<R>(begin, end, [&](auto c_count, int64_t n) {
-    constexpr int C = decltype(c_count)::value;
-    __m256 mins[C][R];
-#pragma GCC unroll 2
-    for (int c = 0; c < C; ++c) {
-      const uint32_t* p = pairs + (n + c) * groups;
-      if (blocks_per_group > 1) {
-        for (int64_t b = 0; b < blocks; ++b) expanded[b] = p[b / blocks_per_group];
-        p = expanded;
+  const uint16_t* group_pairs = pairs;
+  for (int64_t b = 0, in_group = 0; b < blocks; ++b) {
+    const uint8_t* w = codes + b * 4 * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
+    __m256i part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+    // (not unrolled: unrolled, the compiler hoists every product and spills them)
+#pragma GCC unroll 1
+    for (int s = 0; s < 4; ++s) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * kBlock));
+      const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        // x's 4 codes to every lane: a broadcast load (vbroadcastss), no trip through a scalar register
+        const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
+        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))));
+        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
       }
-      for (int r = 0; r < R; ++r) mins[c][r] = _mm256_setzero_ps();
-      int4_block_factors<R>(p, dr, sr, cr, blocks, fac + c * R * blocks, mins[c]);
     }
-    __m256 acc[R][C][S];
+    const __m256i pr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_pairs));
+    if (++in_group == blocks_per_group) {
+      in_group = 0;
+      group_pairs += 16;
+    }
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(pr)), 16));
+    const __m256 min = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(pr, 1)), 16));
+    const __m256 zero_point = _mm256_fmadd_ps(eight, scale, min);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-      for (int c = 0; c < C; ++c) {
-#pragma GCC unroll 2
-        for (int s = 0; s < S; ++s) acc[r][c][s] = _mm256_setzero_ps();
-      }
+      // sum (q - 8) x_code = isum - 8 csum, exactly
+      const __m256i centred = _mm256_sub_epi32(_mm256_madd_epi16(part[r], ones), _mm256_set1_epi32(8 * cr[r][b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, _mm256_set1_ps(dr[r][b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(zero_point, _mm256_set1_ps(sr[r][b]), acc[r]);
     }
-    const uint8_t* w = packed + n * row_bytes;
-    for (int64_t chunk = 0; chunk < K / 64; ++chunk) {
-      // the weight rows are one stream, C rows a pass: ask for what the passes after next read
-      _mm_prefetch(reinterpret_cast<const char*>(w + chunk * 32 + kPrefetchBytes), _MM_HINT_T0);
-      __m256i q[C][2];
-#pragma GCC unroll 2
-      for (int c = 0; c < C; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * row_bytes + chunk * 32));
-        q[c][0] = _mm256_and_si256(raw, nibble);
-        q[c][1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-      }
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const int64_t b = 2 * chunk + h;
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + b * kBlock));
-#pragma GCC unroll 2
-          for (int c = 0; c < C; ++c) {
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c][h], xv), ones);
-            __m256& a = acc[r][c][h % S];
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(fac + (c * R + r) * blocks + b), a);
-          }
-        }
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      for (int r = 0; r < R; ++r) {
-        __m256 sum = _mm256_add_ps(acc[r][c][0], mins[c][r]);
-        if constexpr (S == 2) sum = _mm256_add_ps(sum, acc[r][c][1]);
-        y[(r0 + r) * N + n + c] = hsum(sum);
-      }
-    }
-  });
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
 }
 
 // rows(R, r0, begin, end) for every group of up to kTileRows rows, over the output channels in
@@ -383,14 +364,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * 8;
   at::Tensor y = at::empty({M, N}, x.options());
   const QuantizedRows xq(x.data_ptr<float>(), M, K);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
+  const auto* p = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
+  const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
   float* out = y.data_ptr<float>();
-  for_rows_and_channels(M, N, [&](auto r, int64_t r0, int64_t begin, int64_t end) {
-    int4_rows<decltype(r)::value>(xq, r0, w, p, out, K, N, group_size, begin, end);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // a panel of tiles (L2-sized) takes every 4-row group of x before the next panel
+    for (int64_t t0 = begin; t0 < end; t0 += kPanelTiles) {
+      const int64_t t1 = std::min(end, t0 + kPanelTiles);
+      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+        with_row_count(M - r0, [&](auto r) {
+          for (int64_t t = t0; t < t1; ++t) {
+            int4_tile<decltype(r)::value>(xq, r0, w + t * K * 4, p + t * groups * 16, out, N, t * 8, blocks_per_group);
+          }
+        });
+      }
+    }
   });
   return y;
 }
@@ -413,33 +405,6 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                  }
                }
              });
-  return y;
-}
-
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), groups = K / group_size;
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const auto* p = reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>());
-  panel_gemm(x.data_ptr<float>(), M, K, N, nullptr, y.data_ptr<float>(), [&](int64_t n0, int64_t cols, float* buf) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint8_t* src = w + (n0 + c) * (K / 2);
-      const uint32_t* pr = p + (n0 + c) * groups;
-      float* dst = buf + c * K;
-      for (int64_t k = 0; k < K; k += 16) {
-        // 16 codes k .. k + 15: the low or high nibbles of bytes (k % 32) .. + 15 of chunk k / 64
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (k / 64) * 32 + k % 32));
-        const __m128i q = _mm_and_si128(k % 64 < 32 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-        const uint32_t pair = pr[k / group_size];
-        const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(static_cast<uint16_t>(pair)));
-        const __m256 min = _mm256_set1_ps(bf16_bits_to_float(pair >> 16));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
-        _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(lo, scale, min));
-        _mm256_storeu_ps(dst + k + 8, _mm256_fmadd_ps(hi, scale, min));
-      }
-    }
-  });
   return y;
 }
 

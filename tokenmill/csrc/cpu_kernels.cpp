@@ -789,18 +789,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether paged_prefill_attention was built (AVX-512 BF16)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU): (x + delta, rms_norm(x + delta))");
-  m.def("int4_linear", &int4_linear, "weight-only int4 linear at few rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
+  m.def("int4_linear", &int4_linear, "weight-only int4 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("pairs"), pybind11::arg("group_size"));
   m.def("bf16_linear", &bf16_linear, "bf16 linear at 1-4 rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.def("int8_linear", &int8_linear, "weight-only int8 linear at few rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"));
+  m.def("int8_tiled_linear", &int8_tiled_linear, "weight-only int8 linear over 16-channel tiles, any number of rows "
+        "(CPU, AVX-512 BF16)", pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("scales"));
   m.def("int8_gemm", &int8_gemm, "weight-only int8 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
-  m.def("int4_gemm", &int4_gemm, "weight-only int4 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("pairs"), pybind11::arg("group_size"));
   m.def("gemv_supported", &gemv_supported,
-        "whether the quantized matmul kernels (int4/int8_linear, int8/int4_gemm) were built (AVX2 and up)");
+        "whether the quantized matmul kernels (int4_linear, int8_linear, int8_gemm) were built (AVX2 and up)");
   m.def("native_bf16", &native_bf16, "whether bf16_linear and the bf16 dot-product paths were built (AVX-512 BF16)");
   m.def("isa", [] { return std::string(TOKENMILL_ISA); }, "the instruction-set level this module was built for");
   bind_decoder_stack(m);

@@ -27,11 +27,10 @@ bool native_bf16();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
-// cpu_gemv.cpp: int8 / int4 weights at any number of rows (Int8Linear above its max_rows; Int4Linear
-// above the few-row kernel's rows at AVX2, where int4_linear and int4_gemm differ).
+at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales);
+// cpu_gemv.cpp: int8 weights at any number of rows (Int8Linear above its max_rows).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 
 // cpu_prefill.cpp: causal prefill attention over the paged cache (bf16 queries, a bf16 or int8
 // cache; AVX-512 BF16 only).
@@ -49,7 +48,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 }  // namespace tokenmill::avx2
 
 // Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.

@@ -9,11 +9,11 @@ cores), so every later process reuses it and no build runs on a CPU without its 
 - `rms_norm`: one pass per row instead of the ~8 ops of `F.rms_norm` on CPU; `add_rms_norm`:
   the residual add before it in the same pass.
 - `rope_write_kv`: RoPE of q and k and the store of k and v in the paged cache, one call.
-- `int8_linear`, `int4_linear`, `int8_gemm`, `int4_gemm` (csrc/cpu_gemv.cpp): quantized matmuls
-  of few rows and of many (`gemv_supported()`: avx2 and up). At avx512_bf16 they take bf16
-  activations (vdpbf16ps, csrc/cpu_gemv.cpp); at avx2/avx512 fp32 activations quantized to int8
-  per block of 32 for the few-row kernels (vpmaddubsw) and weights widened to fp32 panels for
-  many rows (csrc/cpu_gemv_avx2.cpp). `bf16_linear`: bf16 weights at 1-3 rows
+- `int8_linear`, `int8_gemm`, `int4_linear` (csrc/cpu_gemv.cpp): quantized matmuls of few rows,
+  of many, and (int4) of any number (`gemv_supported()`: avx2 and up). At avx512_bf16 they take
+  bf16 activations (vdpbf16ps, csrc/cpu_gemv.cpp); at avx2/avx512 fp32 activations quantized to
+  int8 per block of 32 (vpmaddubsw; int8_gemm: weights widened to fp32 panels;
+  csrc/cpu_gemv_avx2.cpp). `bf16_linear`: bf16 weights at 1-3 rows
   (`native_bf16()`: avx512_bf16 only).
 - `paged_prefill_attention` (csrc/cpu_prefill.cpp): causal flash attention of a step's bf16
   prefill chunks over the paged cache (avx512_bf16: `prefill_attention_supported()`).
