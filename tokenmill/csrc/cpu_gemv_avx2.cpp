@@ -189,6 +189,44 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
   });
 }
 
+// int8 at many rows (int8_gemm): the codes of 8 output channels repacked per call into a tile
+// like int4's (tile [K/4, 32]: byte 4c + j of step t = code(c, 4t + j)), x's 4 codes broadcast,
+// vpmaddubsw with |w| unsigned and x with w's sign (as int8_rows), then vpmaddwd per step: the
+// int16 pair sums of int8 x int8 (up to 2 x 128 x 127) leave no room to add two. Twice the
+// multiply-port instructions of int4 per product, half of fp32's. Rows r0 .. r0 + R - 1 of one tile.
+template <int R>
+void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const float* scale, const float* bias,
+               float* y, int64_t N, int64_t n0) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t blocks = xq.blocks, K = blocks * kBlock;
+  const int8_t* xr[R];
+  const float* dr[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q + (r0 + r) * K;
+    dr[r] = xq.d + (r0 + r) * blocks;
+    acc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int s = 0; s < 8; ++s) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (b * 8 + s) * 32));
+      const __m256i aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i x4 = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(xr[r] + b * kBlock + 4 * s)));
+        part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x4, w)), ones));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r]), _mm256_set1_ps(dr[r][b]), acc[r]);
+  }
+  const __m256 s8 = _mm256_loadu_ps(scale + n0), b8 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, _mm256_fmadd_ps(acc[r], s8, b8));
+}
+
 // int4 over tiles of 8 output channels (Int4Linear's layout at this level, layers/linear.py
 // _avx2_tiled_int4_layout): codes [N/8, K/8, 32], byte 4c + j of step t = q(c, 8t + j) |
 // q(c, 8t + 4 + j) << 4, so one 32-byte load gives the 8 channels' codes for 4 input channels
@@ -394,7 +432,30 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
-  panel_gemm(x.data_ptr<float>(), M, K, N, bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+  float* out = y.data_ptr<float>();
+  if (K % kBlock == 0 && N % 8 == 0) {  // integer products over tiles repacked per call
+    const QuantizedRows xq(x.data_ptr<float>(), M, K);
+    const at::Tensor s32 = scales.to(at::kFloat).contiguous();
+    const float* scale = s32.data_ptr<float>();
+    const float* bp = bias ? b.data_ptr<float>() : nullptr;
+    at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int8_t> tile(8 * K);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t c = 0; c < 8; ++c) {  // channel c's 4-code words to lane c of each step
+          const auto* src = reinterpret_cast<const uint32_t*>(cp + (t * 8 + c) * K);
+          auto* dst = reinterpret_cast<uint32_t*>(tile.data()) + c;
+          for (int64_t step = 0; step < K / 4; ++step) dst[step * 8] = src[step];
+        }
+        for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+          with_row_count(M - r0, [&](auto r) {
+            int8_tile<decltype(r)::value>(xq, r0, tile.data(), scale, bp, out, N, t * 8);
+          });
+        }
+      }
+    });
+    return y;
+  }
+  panel_gemm(x.data_ptr<float>(), M, K, N, bias ? b.data_ptr<float>() : nullptr, out,
              [&](int64_t n0, int64_t cols, float* buf) {
                for (int64_t c = 0; c < cols; ++c) {
                  const int8_t* src = cp + (n0 + c) * K;
