@@ -9,12 +9,13 @@
 //   read once as it is stored): a block's dot product with 32 codes is vpmaddubsw with |w| as
 //   the unsigned operand and the x codes with w's sign as the signed one (|w| <= 128, |x code|
 //   <= 127: no int16 overflow), vpmaddwd to int32, then one fp32 FMA with the block's scale;
-//   y = scale * sum_blocks d_b * isum_b. Many rows (compute-bound): the int16 sums of int8 x
-//   int8 cannot be added without overflow, so an integer product costs as many instructions as
-//   an fp32 FMA; the weights are widened to fp32 once per panel of output channels (in a
-//   per-thread buffer that stays in cache) and every 4-row tile of x runs over the panel, 4 x 3
-//   accumulators of 8 dot-product lanes; from kDenseRows rows (prefill) the whole weight is
-//   widened once and at::mm multiplies it.
+//   y = scale * sum_blocks d_b * isum_b. Many rows (compute-bound, int8_gemm): the int16 sums
+//   of int8 x int8 cannot be added without overflow, so a vpmaddwd follows every vpmaddubsw, half
+//   of fp32's multiply-port instructions per product; 8 output channels at a time are repacked
+//   per call into int4's tile shape (int8_tile). Shapes it does not take (K % 32, N % 8) widen
+//   the weights to fp32 once per panel of output channels (in a per-thread buffer that stays in
+//   cache) and run 4 x 3 accumulators of 8 dot-product lanes; from kDenseRows rows the whole
+//   weight is widened once and at::mm multiplies it.
 // - int4 (asymmetric groups, w = q * scale + min, q = 0..15), every row count: one kernel over
 //   tiles of 8 output channels (int4_tile). q is the unsigned operand as it is, and 8 products
 //   of 15 x 127 fit an int16 sum, so a whole block's sums stay in int16: one vpmaddubsw per 32
