@@ -13,8 +13,9 @@
 // each meets one broadcast pair of x in a vdpbf16ps (exact products, fp32 sums, 16 channels at
 // once, no horizontal sums). Per group the sums take the group's 16 scales (an FMA) and
 // min * sum(x of the group) (another); scales and mins are bf16 [tiles, groups, 32] (16 scales,
-// then 16 mins). Few rows widen the codes as they go; from kInt4BufferedRows rows a tile pair
-// is widened once into a buffer that every block of rows reads (tiled_matmul).
+// then 16 mins). Up to kSingleTileRows rows one tile at a time widens its codes as it goes;
+// above, a tile pair is widened once into a buffer that every block of rows reads (tiled_matmul).
+// int8_tiled_linear runs the same kernels over int8 tiles of 16 channels.
 // bf16_linear: a bf16 weight [N, K] as it is (DenseLinear), 32 weights per vdpbf16ps.
 // int8_linear: weight-only int8 with one scale per output row (Int8Linear, the quantized
 // configs' LM head), codes widened to fp32 16 at a time, fp32 FMAs, the scale applied once.
@@ -49,12 +50,12 @@ inline __m512 bf16x16_to_fp32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// int4: from how many rows a tile pair's codes are widened once into a buffer, and rows per block
-// over that buffer.
-constexpr int64_t kInt4BufferedRows = 12;
-constexpr int64_t kInt4BufferRows = 8;
-constexpr int64_t kInt8SingleTileRows = 24;
-constexpr int64_t kInt8BufferedRows = 25;
+// Tiled weights: up to this many rows one tile at a time, widened as it goes (4 rows a pass; on
+// the default model's matrices, 2 cores, Zen 5: int8 at 8 rows 141 vs 221 µs for tile pairs,
+// int4 at 12-16 rows 0.8x the time); above it tile pairs widened once into a buffer that blocks
+// of kBufferRows rows read.
+constexpr int64_t kSingleTileRows = 24;
+constexpr int64_t kBufferRows = 8;
 
 // The tiled weights of a call and what every tile kernel shares: int4 (see the layout above)
 // or int8 (Int8 = true: per tile and quad of input channels, 64 bytes, byte 2c + j of the first
@@ -99,8 +100,9 @@ inline void widen_quad(const uint8_t* p, __m512i table, __m512i& lo, __m512i& hi
 // y[r, 16 t0 .. 16 (t0 + T)) for R rows of x from row m0, T tiles from tile t0 (cols: the valid
 // output channels of them); S accumulators per (row, tile) so that enough sums are in flight.
 // Buffered: the tiles' widened pairs from buf ([kpairs][16 T] pairs) instead of their codes.
+// (Not inlined: inlined into tiled_matmul's loops it ran at half speed from 4 to 24 rows.)
 template <bool Int8, int R, int T, int S, bool Buffered = false>
-void tile_rows(const Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512i table, const uint32_t* buf = nullptr) {
+[[gnu::noinline]] void tile_rows(const Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512i table, const uint32_t* buf = nullptr) {
   const uint32_t* x = a.x + m0 * a.kpairs;
   const uint8_t* codes = a.codes + t0 * a.tile_bytes();
   const uint16_t* sm = a.sm + t0 * a.tile_sm();
@@ -170,32 +172,24 @@ void with_rows_up_to_8(int64_t rows, const F& f) {
 }
 
 // y = x W^T for the tiled weight of `a`, every row count, over items of tiles taken by the
-// threads in turn. One row: one tile at a time (one stream of codes per thread reads fastest).
-// Few rows: tile pairs (an x pair broadcast once for 32 channels), widened as they go, 4 rows at
-// a time. From kInt4BufferedRows rows: a tile pair widened once into a buffer that blocks of
-// kInt4BufferRows rows read.
+// threads in turn. Up to kSingleTileRows rows: one tile at a time (one stream of codes per
+// thread reads fastest), widened as it goes, 4 rows a pass (one row: two accumulators per
+// tile). More: a tile pair widened once into a buffer that blocks of kBufferRows rows read (an
+// odd last tile alone, 4 rows a pass).
 template <bool Int8>
 void tiled_matmul(const Tiles& a, int64_t M) {
   alignas(64) uint16_t table_bits[32];
   for (int i = 0; i < 32; ++i) table_bits[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
   const __m512i table = _mm512_load_si512(table_bits);
-  // int8 widens at twice int4's cost a quad: one tile at a time up to kInt8SingleTileRows rows,
-  // and buffered from kInt8BufferedRows
-  const int64_t tiles = a.N / 16, per_item = M <= (Int8 ? kInt8SingleTileRows : 1) ? 1 : 2;
-  const bool buffered = M >= (Int8 ? kInt8BufferedRows : kInt4BufferedRows);
+  const int64_t tiles = a.N / 16, per_item = M <= kSingleTileRows ? 1 : 2;
+  const bool buffered = per_item == 2;
   at::parallel_for(0, (tiles + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> buf(buffered ? a.kpairs * 32 : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t0 = item * per_item, n = std::min(per_item, tiles - t0);
       if (M == 1) {
         tile_rows<Int8, 1, 1, 2>(a, 0, t0, 16, table);
-      } else if (per_item == 1) {
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto r) {
-            tile_rows<Int8, decltype(r)::value, 1, 2>(a, m0, t0, 16, table);
-          });
-        }
-      } else if (buffered && n == 2) {
+      } else if (n == 2) {
         const uint8_t* codes = a.codes + t0 * a.tile_bytes();
         for (int64_t q = 0; q < a.kpairs / 2; ++q) {
           for (int t = 0; t < 2; ++t) {
@@ -205,20 +199,15 @@ void tiled_matmul(const Tiles& a, int64_t M) {
             _mm512_storeu_si512(buf.data() + (2 * q + 1) * 32 + 16 * t, hi);
           }
         }
-        for (int64_t m0 = 0; m0 < M; m0 += kInt4BufferRows) {
-          with_rows_up_to_8(std::min(kInt4BufferRows, M - m0), [&](auto r) {
+        for (int64_t m0 = 0; m0 < M; m0 += kBufferRows) {
+          with_rows_up_to_8(std::min(kBufferRows, M - m0), [&](auto r) {
             tile_rows<Int8, decltype(r)::value, 2, 1, true>(a, m0, t0, 32, table, buf.data());
           });
         }
       } else {
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto r) {
-            constexpr int R = decltype(r)::value;
-            if (n == 2) {
-              tile_rows<Int8, R, 2, (R <= 2 ? 2 : 1)>(a, m0, t0, 32, table);
-            } else {
-              tile_rows<Int8, R, 1, 2>(a, m0, t0, 16, table);
-            }
+            tile_rows<Int8, decltype(r)::value, 1, 2>(a, m0, t0, 16, table);
           });
         }
       }
