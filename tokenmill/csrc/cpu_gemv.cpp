@@ -416,26 +416,21 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
   return x.to(tokenmill::kAvx512Bf16Built ? at::kBFloat16 : at::kFloat);
 }
 
-// int4_linear's weight. AVX-512 BF16: packed [N/16, K/4, 32] uint8 and pairs [N/16,
-// K/group_size, 32] bf16 (the tiled layout above); AVX2: packed [N/8, K/8, 32] uint8 and pairs
-// [N/8, K/group_size, 16] bf16 (tiles of 8 channels, cpu_gemv_avx2.cpp). Returns N.
+// int4_linear's weight in the level's tiles of `width` output channels (layers/linear.py
+// _tiled_int4_layout): AVX-512 BF16 width 16 (the layout above), AVX2 width 8
+// (cpu_gemv_avx2.cpp); packed [N/width, K width/64, 32] uint8, pairs [N/width, K/group_size,
+// 2 width] bf16. Returns N.
 int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
-  if (tokenmill::kAvx512Bf16Built) {
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K / 4 && packed.size(2) == 32,
-                "packed: uint8 [N/16, K/4, 32]");
-    TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
-                    pairs.size(1) == K / group_size && pairs.size(2) == 32,
-                "pairs: bf16 [N/16, K/group_size, 32]");
-    return packed.size(0) * 16;
-  }
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K / 8 && packed.size(2) == 32,
-              "packed: uint8 [N/8, K/8, 32]");
+  const int64_t width = tokenmill::kAvx512Bf16Built ? 16 : 8;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K * width / 64 &&
+                  packed.size(2) == 32,
+              "packed: uint8 [N/", width, ", K/", 64 / width, ", 32]");
   TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
-                  pairs.size(1) == K / group_size && pairs.size(2) == 16,
-              "pairs: bf16 [N/8, K/group_size, 16]");
-  return packed.size(0) * 8;
+                  pairs.size(1) == K / group_size && pairs.size(2) == 2 * width,
+              "pairs: bf16 [N/", width, ", K/group_size, ", 2 * width, "]");
+  return packed.size(0) * width;
 }
 
 #if defined(TOKENMILL_AVX512_BF16)

@@ -131,12 +131,6 @@ inline void over_channels(int64_t begin, int64_t end, const Pass& pass) {
   for (; n < end; ++n) pass(std::integral_constant<int, 1>{}, n);
 }
 
-// Lanes of a [blocks]-long row of blocks b .. b + 7 that exist (the rest masked off).
-inline __m256i tail_mask(int64_t left) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 // Rows r0 .. r0 + R - 1 of y, output channels [begin, end): int8 codes [N, K], bf16 scales [N].
 template <int R>
 void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const uint16_t* scales, float* y, int64_t K,
@@ -229,7 +223,7 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
 }
 
 // int4 over tiles of 8 output channels (Int4Linear's layout at this level, layers/linear.py
-// _avx2_tiled_int4_layout): codes [N/8, K/8, 32], byte 4c + j of step t = q(c, 8t + j) |
+// _tiled_int4_layout, width 8): codes [N/8, K/8, 32], byte 4c + j of step t = q(c, 8t + j) |
 // q(c, 8t + 4 + j) << 4, so one 32-byte load gives the 8 channels' codes for 4 input channels
 // (low nibbles) and the next 4 (high), each channel's 4 codes in its own 32-bit lane; pairs
 // [N/8, groups, 16] bf16, the tile's 8 scales then its 8 mins. x's 4 codes are broadcast to

@@ -204,7 +204,7 @@ class Int4Linear(QuantizedLinear):
     made. At avx512_bf16: tiles of 16 output channels for vdpbf16ps (`_tiled_int4_layout`; over
     the default model's 120 matrices on 2 cores 1.16x the kernel it replaced at 1 row, 1.2-1.5x
     from 4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows). At avx2/avx512: tiles
-    of 8 for vpmaddubsw with activations in int8 per block of 32 (`_avx2_tiled_int4_layout`).
+    of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`).
 
     On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
     shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
@@ -237,10 +237,8 @@ class Int4Linear(QuantizedLinear):
                 and (self.group_size == 32 or self.group_size % 64 == 0)
                 and self.out_features % (16 if kernels.native_bf16() else 8) == 0):
             self.kernel = kernels
-            if kernels.native_bf16():
-                self.kernel_codes, self.kernel_pairs = _tiled_int4_layout(record["codes"], scales, mins)
-            else:
-                self.kernel_codes, self.kernel_pairs = _avx2_tiled_int4_layout(record["codes"], scales, mins)
+            self.kernel_codes, self.kernel_pairs = _tiled_int4_layout(record["codes"], scales, mins,
+                                                                      16 if kernels.native_bf16() else 8)
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
         else:
@@ -273,22 +271,30 @@ class Int4Linear(QuantizedLinear):
 _PACK_ROWS = 4096
 
 
-def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                       width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A record (codes uint8 [N, K/2], code 2i in byte i's low nibble; scales and mins [N, groups];
-    N a multiple of 16) in the avx512_bf16 kernels' tiled layout (csrc/cpu_gemv.cpp): codes
-    [N/16, K/4, 32], byte 2c + j of quad i = code(c, 4i + j) | code(c, 4i + 2 + j) << 4 for
-    channel c of the tile; pairs [N/16, groups, 32] bf16, the tile's 16 scales then its 16 mins."""
+    N a multiple of `width`) in a level's tiled layout: output channels in tiles of `width`, and
+    per tile and step of 2s input channels (s = 32 / width) 32 bytes, byte s c + j = code(c,
+    2s i + j) | code(c, 2s i + s + j) << 4 for channel c of the tile (j < s): codes [N/width,
+    K/2s, 32]; pairs [N/width, groups, 2 width] bf16, the tile's scales then its mins.
+    - width 16 (avx512_bf16, csrc/cpu_gemv.cpp): s = 2, each nibble half the 16 channels' pairs
+      of input channels, as vdpbf16ps takes them;
+    - width 8 (avx2, csrc/cpu_gemv_avx2.cpp): s = 4, each nibble half the 8 channels' words of 4
+      input channels, as vpmaddubsw takes them against 4 broadcast codes of x."""
+    span = 32 // width
     n, k = codes.shape[0], codes.shape[1] * 2
-    out = torch.empty(n // 16, k // 4, 32, dtype=torch.uint8)
+    steps = k // (2 * span)
+    out = torch.empty(n // width, steps, 32, dtype=torch.uint8)
     for start in range(0, n, _PACK_ROWS):
         part = codes[start : start + _PACK_ROWS]
-        tiles = part.shape[0] // 16
-        # [tile, c, i, h, j]: input channel 4i + 2h + j of channel c
-        nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, 16, k // 4, 2, 2)
+        tiles = part.shape[0] // width
+        # [tile, c, i, h, j]: input channel 2 span i + span h + j of channel c
+        nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, width, steps, 2, span)
         quads = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [tile, c, i, j]
-        out[start // 16 : start // 16 + tiles] = quads.permute(0, 2, 1, 3).reshape(tiles, k // 4, 32)
+        out[start // width : start // width + tiles] = quads.permute(0, 2, 1, 3).reshape(tiles, steps, 32)
     groups = scales.shape[1]
-    per_tile = torch.cat([scales.reshape(n // 16, 16, groups), mins.reshape(n // 16, 16, groups)], dim=1)
+    per_tile = torch.cat([scales.reshape(n // width, width, groups), mins.reshape(n // width, width, groups)], dim=1)
     return out, per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
 
 
@@ -297,25 +303,6 @@ def _tiled_int8_layout(codes: torch.Tensor) -> torch.Tensor:
     (csrc/cpu_gemv.cpp): [N/16, K/2, 32], byte 2c + j of step p = code(16t + c, 2p + j)."""
     n, k = codes.shape
     return codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
-
-
-def _avx2_tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A record (as `_tiled_int4_layout`'s; N a multiple of 8) in the avx2 kernel's tiled layout
-    (csrc/cpu_gemv_avx2.cpp): codes [N/8, K/8, 32], byte 4c + j of step t = code(c, 8t + j) |
-    code(c, 8t + 4 + j) << 4 for channel c of the tile; pairs [N/8, groups, 16] bf16, the tile's
-    8 scales then its 8 mins."""
-    n, k = codes.shape[0], codes.shape[1] * 2
-    out = torch.empty(n // 8, k // 8, 32, dtype=torch.uint8)
-    for start in range(0, n, _PACK_ROWS):
-        part = codes[start : start + _PACK_ROWS]
-        tiles = part.shape[0] // 8
-        # [tile, c, t, h, j]: input channel 8t + 4h + j of channel c
-        nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, 8, k // 8, 2, 4)
-        quads = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [tile, c, t, j]
-        out[start // 8 : start // 8 + tiles] = quads.permute(0, 2, 1, 3).reshape(tiles, k // 8, 32)
-    groups = scales.shape[1]
-    per_tile = torch.cat([scales.reshape(n // 8, 8, groups), mins.reshape(n // 8, 8, groups)], dim=1)
-    return out, per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
 
 
 class W8A8Linear(QuantizedLinear):
