@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from tokenmill.layers import cpu_kernels
 from tokenmill.layers.sampler import (
     Sampler,
     SamplingRow,
@@ -21,9 +22,24 @@ def row(prompt=(), output=(), eos=(EOS,), **params) -> SamplingRow:
     return SamplingRow(SamplingParams(**params), list(prompt), list(output), list(eos))
 
 
-def sample_frequencies(logits_row: torch.Tensor, num_draws: int, **params) -> torch.Tensor:
+# The compiled levels the kernel tests build anyway (the generic build is not compiled by the suite).
+KERNEL_LEVELS = [isa for isa in cpu_kernels.loadable_levels() if isa != "generic"]
+
+
+@pytest.fixture(params=["torch", *KERNEL_LEVELS])
+def kernels(request):
+    """None (the PyTorch path), or the CPU kernels of one level (their sample_rows)."""
+    if request.param == "torch":
+        return None
+    module = cpu_kernels.load(request.param)
+    if module is None:
+        pytest.skip(f"CPU kernels ({request.param}) not built here: {cpu_kernels.build_error(request.param)}")
+    return module
+
+
+def sample_frequencies(logits_row: torch.Tensor, num_draws: int, kernels=None, **params) -> torch.Tensor:
     """Frequencies of num_draws independent draws from one row (one batch of identical rows)."""
-    sampler = Sampler(seed=1234)
+    sampler = Sampler(seed=1234, kernels=kernels)
     shared = row(**params)
     logits = logits_row.unsqueeze(0).expand(num_draws, -1)
     token_ids = torch.tensor(sampler(logits, [shared] * num_draws).token_ids)
@@ -83,21 +99,21 @@ def test_shape_mismatch_is_an_error():
 # -- random sampling ------------------------------------------------------------------------------
 
 
-def test_temperature_sampling_matches_softmax():
+def test_temperature_sampling_matches_softmax(kernels):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
     expected = (logits / 0.7).softmax(-1)
     # The test can tell temperatures apart.
     assert (expected - logits.softmax(-1)).abs().max() > 0.05
-    freq = sample_frequencies(logits, 40_000, temperature=0.7)
+    freq = sample_frequencies(logits, 40_000, temperature=0.7, kernels=kernels)
     # Standard error of each frequency is <= 0.0025; 0.01 is 4 sigma.
     assert (freq - expected).abs().max() < 0.01
     chi2 = (40_000 * (freq - expected) ** 2 / expected).sum()
     assert chi2 < 20.5  # 99.9th percentile of chi-square with 5 degrees of freedom
 
 
-def test_top_k_keeps_only_k_tokens():
+def test_top_k_keeps_only_k_tokens(kernels):
     logits = torch.tensor([0.1, 3.0, -1.0, 2.5, 0.0, 2.0, 1.0, -2.0])
-    freq = sample_frequencies(logits, 20_000, top_k=3)
+    freq = sample_frequencies(logits, 20_000, top_k=3, kernels=kernels)
     assert set(freq.nonzero().flatten().tolist()) == {1, 3, 5}
     expected = torch.zeros(8)
     expected[[1, 3, 5]] = logits[[1, 3, 5]].softmax(-1)
@@ -115,21 +131,21 @@ def test_top_k_keeps_only_k_tokens():
         (1.0, {0, 1, 2, 3}),
     ],
 )
-def test_top_p_keeps_smallest_set_reaching_p(top_p, kept):
+def test_top_p_keeps_smallest_set_reaching_p(top_p, kept, kernels):
     logits = logits_of([0.5, 0.3, 0.15, 0.05])
-    freq = sample_frequencies(logits, 4_000, top_p=top_p)
+    freq = sample_frequencies(logits, 4_000, top_p=top_p, kernels=kernels)
     assert set(freq.nonzero().flatten().tolist()) == kept
     expected = torch.zeros(4)
     expected[list(kept)] = logits[list(kept)].softmax(-1)
     assert (freq - expected).abs().max() < 0.03
 
 
-def test_top_k_then_top_p():
+def test_top_k_then_top_p(kernels):
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
     # top_k=2 renormalises to [4/7, 3/7]; top_p=0.5 then keeps only the first.
-    freq = sample_frequencies(logits, 2_000, top_k=2, top_p=0.5)
+    freq = sample_frequencies(logits, 2_000, top_k=2, top_p=0.5, kernels=kernels)
     assert set(freq.nonzero().flatten().tolist()) == {0}
-    freq = sample_frequencies(logits, 2_000, top_k=3, top_p=0.99)
+    freq = sample_frequencies(logits, 2_000, top_k=3, top_p=0.99, kernels=kernels)
     assert set(freq.nonzero().flatten().tolist()) == {0, 1, 2}
 
 
@@ -171,9 +187,9 @@ def test_top_k_top_p_matches_reference_on_wide_and_narrow_rows():
 @pytest.mark.parametrize(
     "min_p, kept", [(0.0, {0, 1, 2, 3}), (0.25, {0, 1, 2}), (0.35, {0, 1}), (1.0, {0})]
 )
-def test_min_p_drops_tokens_below_fraction_of_max(min_p, kept):
+def test_min_p_drops_tokens_below_fraction_of_max(min_p, kept, kernels):
     logits = logits_of([0.5, 0.3, 0.15, 0.05])  # thresholds: 0.125 and 0.175
-    freq = sample_frequencies(logits, 4_000, min_p=min_p)
+    freq = sample_frequencies(logits, 4_000, min_p=min_p, kernels=kernels)
     assert set(freq.nonzero().flatten().tolist()) == kept
 
 
@@ -243,9 +259,9 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     assert Sampler()(logits, rows).token_ids == [2, 0, 1, 0, 2, 0]
 
 
-def test_min_tokens_applies_to_sampled_rows():
+def test_min_tokens_applies_to_sampled_rows(kernels):
     logits = logits_of([0.9, 0.05, 0.05])
-    freq = sample_frequencies(logits, 2_000, min_tokens=1)  # eos is token 0
+    freq = sample_frequencies(logits, 2_000, min_tokens=1, kernels=kernels)  # eos is token 0
     assert freq[0] == 0.0
     assert (freq[1:] - 0.5).abs().max() < 0.05
 
@@ -291,34 +307,78 @@ def seeded_tokens(
         SamplingParams(temperature=0.8, seed=7, top_k=50, top_p=0.95, min_p=0.01),
     ],
 )
-def test_seeded_row_is_independent_of_batch_and_reproducible(target):
+def test_seeded_row_is_independent_of_batch_and_reproducible(target, kernels):
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(4))
-    reference = seeded_tokens(Sampler(), logits, target, "alone", 12)
+    reference = seeded_tokens(Sampler(kernels=kernels), logits, target, "alone", 12)
     for layout in ("first", "last", "middle"):
-        assert seeded_tokens(Sampler(seed=len(layout)), logits, target, layout, 12) == reference
+        assert seeded_tokens(Sampler(seed=len(layout), kernels=kernels), logits, target, layout, 12) == reference
     # A fresh sampler (a restarted engine, a preempted request) gives the same tokens again.
-    assert seeded_tokens(Sampler(), logits, target, "alone", 12) == reference
+    assert seeded_tokens(Sampler(kernels=kernels), logits, target, "alone", 12) == reference
     # The draw depends on the output position, and on the seed.
     assert len(set(reference)) > 6
     other_seed = dataclasses.replace(target, seed=8)
-    assert seeded_tokens(Sampler(), logits, other_seed, "alone", 12) != reference
+    assert seeded_tokens(Sampler(kernels=kernels), logits, other_seed, "alone", 12) != reference
 
 
-def test_seeded_rows_sample_the_right_distribution():
+def test_seeded_rows_sample_the_right_distribution(kernels):
     logits = torch.tensor([1.0, 0.0, 2.0, -0.5, 0.5])
     expected = logits.softmax(-1)
     num = 4_000
     rows = [row(seed=s) for s in range(num)]
-    token_ids = torch.tensor(Sampler()(logits.expand(num, -1), rows).token_ids)
+    token_ids = torch.tensor(Sampler(kernels=kernels)(logits.expand(num, -1), rows).token_ids)
     freq = torch.bincount(token_ids, minlength=5).float() / num
     assert (freq - expected).abs().max() < 0.03
 
 
-def test_unseeded_sampler_seed_makes_runs_repeatable():
+def test_unseeded_sampler_seed_makes_runs_repeatable(kernels):
     logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(5))
     rows = [row() for _ in range(64)]
-    assert Sampler(seed=3)(logits, rows).token_ids == Sampler(seed=3)(logits, rows).token_ids
-    assert Sampler(seed=3)(logits, rows).token_ids != Sampler(seed=4)(logits, rows).token_ids
+    runs = [Sampler(seed=seed, kernels=kernels)(logits, rows).token_ids for seed in (3, 3, 4)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def reference_sample_rows(logits, inv_temperature, min_p, keys) -> torch.Tensor:
+    """sample_rows's draw in float64 PyTorch ops: U_i from murmur3's finalizer applied twice to
+    (i, the key's halves), argmax of logits * inv_t - log(-log U) over the tokens min-p keeps."""
+    low32 = 0xFFFFFFFF
+
+    def mix32(h):
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & low32
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & low32
+        return h ^ (h >> 16)
+
+    index = torch.arange(logits.shape[1], dtype=torch.int64)[None]
+    k0, k1 = (keys & low32)[:, None], ((keys >> 32) & low32)[:, None]
+    u = ((mix32((mix32(index ^ k0) + k1) & low32) >> 8).double() + 0.5) * 2.0**-24
+    x = logits.double()
+    score = x * inv_temperature.double()[:, None] - (-u.log()).log()
+    floor = x.amax(dim=1, keepdim=True) + min_p.double().log()[:, None] / inv_temperature.double()[:, None]
+    return score.masked_fill(x < floor, float("-inf")).argmax(dim=1)
+
+
+def test_sample_rows_draws_what_its_definition_says(kernels):
+    """The kernel against its definition in PyTorch ops, rows of every kind: a large vocabulary
+    (several of its chunks and a partial one), temperatures, min-p, -inf masks, a single allowed
+    token, and keys of both signs."""
+    if kernels is None:
+        pytest.skip("the CPU kernels' sample_rows")
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 48, 5003
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    logits[::5, ::3] = float("-inf")
+    logits[7, :] = float("-inf")
+    logits[7, 4321] = 0.0
+    inv_t = 1.0 / torch.empty(rows).uniform_(0.2, 2.0, generator=gen)
+    min_p = torch.where(torch.arange(rows) % 3 == 0, torch.empty(rows).uniform_(0.0, 0.5, generator=gen), 0.0)
+    keys = torch.randint(-(2**63), 2**63 - 1, (rows,), dtype=torch.int64, generator=gen)
+    got = kernels.sample_rows(logits, inv_t, min_p, keys)
+    assert got.tolist() == reference_sample_rows(logits, inv_t, min_p, keys).tolist()
+    assert got[7] == 4321
+    assert len(set(got.tolist())) > rows // 2  # not one token for every row
+    # A row is drawn from its key and logits alone.
+    assert kernels.sample_rows(logits[5:6], inv_t[5:6], min_p[5:6], keys[5:6]).tolist() == [got[5]]
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -802,6 +802,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_supported", &gemv_supported,
         "whether the quantized matmul kernels (int4_linear, int8_linear, int8_gemm) were built (AVX2 and up)");
   m.def("native_bf16", &native_bf16, "whether bf16_linear and the bf16 dot-product paths were built (AVX-512 BF16)");
+  m.def("sample_rows", &sample_rows, "one token per row of fp32 logits, sampled at inv_temperature and min_p by "
+        "the Gumbel-max trick, the noise hashed from each row's int64 key (CPU)", pybind11::arg("logits"),
+        pybind11::arg("inv_temperature"), pybind11::arg("min_p"), pybind11::arg("keys"));
   m.def("isa", [] { return std::string(TOKENMILL_ISA); }, "the instruction-set level this module was built for");
   bind_decoder_stack(m);
 }

@@ -50,5 +50,10 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const c10::optional<at::Tensor>& bias);
 }  // namespace tokenmill::avx2
 
+// cpu_sampler.cpp: one sampled token per row of fp32 logits (Gumbel-max over a counter-based hash
+// of each row's key; min_p 0 = off).
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperature, const at::Tensor& min_p,
+                       const at::Tensor& keys);
+
 // Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
 void bind_decoder_stack(pybind11::module& m);

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_gemv.cpp", CSRC / "cpu_gemv_avx2.cpp",
-           CSRC / "cpu_prefill.cpp"]
+           CSRC / "cpu_prefill.cpp", CSRC / "cpu_sampler.cpp"]
 _errors: dict[str, str] = {}
 
 

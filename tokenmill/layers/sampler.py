@@ -16,6 +16,13 @@ Sampling draws exponential noise E and takes argmax(probs / E), which samples ex
 probs (the Gumbel-max trick in another form). A row with `params.seed` draws E from a generator
 seeded with (seed, number of tokens generated so far) only, so its token does not depend on the
 rest of the batch, on row order, or on whether the request was preempted and recomputed.
+
+With the compiled CPU kernels (`Sampler(kernels=...)`, the model runner's on a CPU), logits on
+the CPU are sampled by their `sample_rows` instead (csrc/cpu_sampler.cpp): the same Gumbel-max
+draw, argmax(logits / T - log(-log U)), in one pass over each row, with U made from a hash of a
+per-row key and the token index rather than stored; the key of a seeded row is the same
+(seed, position) value, so everything above holds there too. A seed gives the same tokens on
+every build of the kernels, and other tokens than on the PyTorch path.
 """
 
 from __future__ import annotations
@@ -71,8 +78,11 @@ class Sampler:
     in the logits' own dtype; everything else works in fp32.
     """
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, kernels=None):
+        """`kernels`: the compiled CPU kernels (layers.cpu_kernels), whose `sample_rows` then
+        draws the non-greedy rows of CPU logits in one pass each (see _sample_kernel)."""
         self._seed = seed
+        self._kernels = kernels
         self._shared_generators: dict[torch.device, torch.Generator] = {}  # unseeded rows
         self._row_generators: dict[torch.device, torch.Generator] = {}  # re-seeded per row
 
@@ -191,28 +201,40 @@ class Sampler:
 
     def _sample_random(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [n, vocab_size] processed logits of non-greedy rows -> [n] sampled token ids."""
+        if self._kernels is not None and x.device.type == "cpu":
+            return self._sample_kernel(x, rows)
         probs = self._random_probs(x, rows)
         # probs need not be renormalised: argmax(probs / E) samples proportionally to probs.
         noise = self._exponential_noise(probs, [row.params for row in rows], rows)
         return (probs / noise).argmax(dim=-1)
 
+    def _sample_kernel(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """`_sample_random` by the CPU kernels' `sample_rows`: temperature, min-p and the
+        Gumbel-max draw in one pass over each row (top-k and top-p, where a row asks, first here
+        on x / temperature). A row's noise comes from a 64-bit key: (seed, output position)
+        through splitmix64 for a seeded row, as its generator seed is elsewhere; a draw of the
+        shared generator for the others."""
+        params = [row.params for row in rows]
+        if _needs_top_k_top_p(params, x.shape[1]):
+            x = _top_k_top_p_logits(x, params)
+            inv_temperature = torch.ones(len(params))
+        else:
+            inv_temperature = torch.tensor([1.0 / p.temperature for p in params])
+        keys = torch.randint(-(2**63), 2**63 - 1, (len(params),), dtype=torch.int64,
+                             generator=self._generator(self._shared_generators, x.device))
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                key = _row_seed(p.seed, len(rows[i].output_token_ids))
+                keys[i] = key - (1 << 64) if key >= 1 << 63 else key
+        min_p = torch.tensor([p.min_p for p in params])
+        return self._kernels.sample_rows(x.contiguous(), inv_temperature, min_p, keys)
+
     def _random_probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [n, vocab_size] processed logits of non-greedy rows -> [n, vocab_size] probabilities
         after temperature, top-k, top-p and min-p (not renormalised after min-p)."""
-        vocab_size = x.shape[1]
         device = x.device
         params = [row.params for row in rows]
-        temperatures = torch.tensor([p.temperature for p in params], device=device)
-        x = x / temperatures.unsqueeze(1)
-
-        top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # 0 = off
-        top_ps = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_ps):
-            x = _apply_top_k_top_p(x, top_ks, top_ps)
-        elif any(top_ks):
-            x = _apply_top_k(x, top_ks)
-
-        probs = x.softmax(dim=-1)
+        probs = _top_k_top_p_logits(x, params).softmax(dim=-1)
         min_ps = [p.min_p for p in params]
         if any(min_ps):
             min_p = torch.tensor(min_ps, device=device).unsqueeze(1)
@@ -518,6 +540,27 @@ def _top_k_threshold(values: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     k = torch.tensor(top_ks, device=device).unsqueeze(1)
     threshold = values.gather(1, (k - 1).clamp(min=0))
     return threshold.masked_fill(k == 0, float("-inf"))
+
+
+def _top_ks(params: list[SamplingParams], vocab_size: int) -> list[int]:
+    return [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # 0 = off
+
+
+def _needs_top_k_top_p(params: list[SamplingParams], vocab_size: int) -> bool:
+    return any(p.top_p < 1.0 for p in params) or any(_top_ks(params, vocab_size))
+
+
+def _top_k_top_p_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """x / temperature per row, tokens outside each row's top-k and top-p set to -inf."""
+    temperatures = torch.tensor([p.temperature for p in params], device=x.device)
+    x = x / temperatures.unsqueeze(1)
+    top_ks = _top_ks(params, x.shape[1])
+    top_ps = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_ps):
+        return _apply_top_k_top_p(x, top_ks, top_ps)
+    if any(top_ks):
+        return _apply_top_k(x, top_ks)
+    return x
 
 
 def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

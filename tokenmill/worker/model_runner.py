@@ -152,7 +152,7 @@ class ModelRunner:
         for m in self.models:
             if self.cpu_kernels is not None and getattr(m.attn_backend, "kernels", None) is self.cpu_kernels:
                 m.enable_cpu_decoder(self.cpu_kernels)
-        self.sampler = Sampler(seed=config.seed)
+        self.sampler = Sampler(seed=config.seed, kernels=self.cpu_kernels)
         self.mask_filler = MaskFiller(torch.get_num_threads())  # structured output's bitmasks
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer = (
