@@ -20,6 +20,8 @@ cores), so every later process reuses it and no build runs on a CPU without its 
 - `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for a step (decode-only, or
   with bf16 prefill chunks) in one call, the same ops as the Python layers without the
   interpreter between them (`LlamaForCausalLM.enable_cpu_decoder`).
+- `sample_rows` (csrc/cpu_sampler.cpp): one sampled token per row of fp32 logits (temperature,
+  min-p, Gumbel-max with noise hashed from a per-row key) in one pass; plain C++, every level.
 - `isa()`: the level the module was built for.
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no ninja); then
