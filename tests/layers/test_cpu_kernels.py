@@ -436,7 +436,7 @@ def test_int8_linear_matches_the_dequantized_weight(level, rows):
     layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=level)
     assert layer.kernel is level
     exact = (x.float() @ codes.float().t()) * layer.scales.float()
-    got = level.int8_linear(x, layer.codes, layer.scales)
+    got = level.int8_linear(x, codes, layer.scales)
     assert got.dtype == x.dtype and got.shape == (rows, 200)
     if level.native_bf16():
         torch.testing.assert_close(got.float(), exact, atol=1e-3, rtol=2**-8)
@@ -444,35 +444,48 @@ def test_int8_linear_matches_the_dequantized_weight(level, rows):
         expected = (int8_blocks(x) @ codes.float().t()) * layer.scales.float()
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-4)
         torch.testing.assert_close(got, exact, atol=1.0, rtol=0)  # int8 activations: error std ~0.2, |y| ~ 25
-    if rows <= kernel_rows(level)[0]:
+    if rows <= kernel_rows(level)[0] and layer.tiles is None:
         assert torch.equal(layer(x), got)
     torch.testing.assert_close(Int8Linear({"codes": codes, "scales": scales}, None)(x).float(), exact,
                                atol=0.3, rtol=2e-2)  # PyTorch's _weight_int8pack_mm (bf16)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.native_bf16(), reason="int8_tiled_linear needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 24, 25, 64, 260])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (48, 1536), (32, 132)])
-def test_int8_tiled_linear_matches_the_dequantized_weight(rows, out_features, in_features):
-    """Tiles of 16 output channels at every row count (one tile at a time with 1-24 rows, 4 rows
-    a pass and a remainder; widened once into a buffer from 25); K a multiple of 4 but not of 8
-    (132); exact products, fp32 sums, one rounding. Int8Linear keeps only the tiles and runs them
-    at every row count."""
+def test_int8_tiled_linear_matches_the_dequantized_weight(level, rows, out_features, in_features):
+    """avx512_bf16: tiles of 16 output channels at every row count (one tile at a time with 1-24
+    rows, 4 rows a pass and a remainder; widened once into a buffer from 25); K a multiple of 4
+    but not of 8 (132); exact products, fp32 sums, one rounding. avx2: tiles of 8, x in int8 per
+    block of 32 (K a multiple of 32: 132 refused). Int8Linear keeps only the tiles where they fit
+    and runs them at every row count."""
     from tokenmill.layers.linear import Int8Linear, _tiled_int8_layout
     from tokenmill.quantization.formats import quantize_int8
 
     g = torch.Generator().manual_seed(rows)
     codes, scales = quantize_int8(torch.randn(out_features, in_features, generator=g))
-    codes[0, :16] = -128  # the code range's end, exact in bf16
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    codes[0, :16] = -128  # the code range's end (exact in bf16; |code| 128 as vpmaddubsw's unsigned operand)
+    x = activations(level, rows, in_features, g)
     bf16_scales = scales.to(torch.bfloat16)
-    got = kernels.int8_tiled_linear(x, _tiled_int8_layout(codes), bf16_scales)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    width = 16 if level.native_bf16() else 8
+    tiles = _tiled_int8_layout(codes, width)
+    if not level.native_bf16() and in_features % 32:
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            level.int8_tiled_linear(x, tiles, bf16_scales)
+        assert Int8Linear({"codes": codes, "scales": scales}, None, kernels=level).tiles is None
+        return
+    got = level.int8_tiled_linear(x, tiles, bf16_scales)
+    assert got.dtype == x.dtype and got.shape == (rows, out_features)
     expected = (x.float() @ codes.float().t()) * bf16_scales.float()
-    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    if level.native_bf16():
+        torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    else:
+        blocks = (int8_blocks(x) @ codes.float().t()) * bf16_scales.float()
+        # (an x code can round the other way at a tie: one code step x one weight)
+        torch.testing.assert_close(got, blocks, atol=5e-2, rtol=1e-3)
+        torch.testing.assert_close(got, expected, atol=1.0, rtol=0)  # int8 activations: error std ~0.2
     if in_features % 16 == 0:
-        layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=kernels)
-        assert layer.codes is None and layer.tiles.shape == (out_features // 16, in_features // 2, 32)
+        layer = Int8Linear({"codes": codes, "scales": scales}, None, kernels=level)
+        assert layer.codes is None and layer.tiles.shape == (out_features // width, in_features * width // 32, 32)
         assert torch.equal(layer(x), got)
 
 
@@ -481,9 +494,8 @@ def test_int8_tiled_linear_matches_the_dequantized_weight(rows, out_features, in
 def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_features, with_bias):
     """The many-row int8 kernel: row blocks of 8 and a remainder, a last panel of fewer than 32
     output channels (37, 200), K a multiple of 16 but not of 32 (48); avx512_bf16: exact
-    products, fp32 sums, one rounding; avx2: tiles of 8 channels with int8 activations (200, 64
-    channels), else fp32 panels (37: from 256 rows the whole weight widened once for at::mm).
-    Int8Linear takes it above its max_rows."""
+    products, fp32 sums, one rounding; avx2: fp32 panels (from 256 rows the whole weight widened
+    once for at::mm). Int8Linear takes it above its max_rows where its tiles do not fit."""
     from tokenmill.layers.linear import Int8Linear
     from tokenmill.quantization.formats import quantize_int8
 
@@ -496,15 +508,9 @@ def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
     expected = (x.float() @ codes.float().t()) * layer.scales.float() + (bias.float() if with_bias else 0)
     got = level.int8_gemm(x, codes, layer.scales, bias)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
-    if level.native_bf16() or in_features % 32 or out_features % 8:
-        # exact products (bf16) or fp32 weights code * scale (fp32), fp32 sums, one rounding
-        torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
-    else:  # avx2 tiles of 8 channels: x in int8 per block of 32, integer products
-        blocks = (int8_blocks(x) @ codes.float().t()) * layer.scales.float() + (bias.float() if with_bias else 0)
-        # (an x code can round the other way at a tie: one code step x one weight)
-        torch.testing.assert_close(got, blocks, atol=5e-2, rtol=1e-3)
-        torch.testing.assert_close(got, expected, atol=1.0, rtol=0)  # int8 activations: error std ~0.2
-    if rows > layer.max_rows and layer.tiles is None:  # (avx512_bf16, 16 | out_features: int8_tiled_linear)
+    # exact products (bf16) or fp32 weights code * scale (fp32), fp32 sums, one rounding
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8 if level.native_bf16() else 1e-5)
+    if rows > layer.max_rows and layer.tiles is None:  # (where the tiles fit, Int8Linear runs int8_tiled_linear)
         assert torch.equal(layer(x), level.int8_gemm(x, codes, layer.scales))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         level.int8_gemm(x[:, :8].contiguous(), codes[:, :8].contiguous(), layer.scales)

@@ -479,26 +479,32 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y.to(x.scalar_type());
 }
 
-// x [M, K] bf16 contiguous, any M >= 1; tiles: int8 codes [N/16, K/2, 32] (layers/linear.py
-// _tiled_int8_layout), K a multiple of 4; scales [N] bf16. Returns y [M, N] bf16 = (x codes^T)
-// * scales: exact products, fp32 sums, one rounding. (AVX-512 BF16 only.)
+// x [M, K] contiguous, any M >= 1, and the codes in the level's tiles (layers/linear.py
+// _tiled_int8_layout): at AVX-512 BF16 x bf16, tiles [N/16, K/2, 32], K a multiple of 4 (exact
+// products, fp32 sums, one rounding); at AVX2 x fp32, tiles [N/8, K/4, 32], K a multiple of 32
+// (x in int8 per block of 32, cpu_gemv_avx2.cpp). scales [N] bf16. Returns y [M, N] in x's
+// dtype = (x codes^T) * scales.
 at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales) {
-  TORCH_CHECK(native_bf16(), "int8_tiled_linear needs AVX-512 BF16 (see native_bf16)");
   check_matmul_args("int8_tiled_linear", x, {&tiles, &scales}, 0);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kChar && tiles.size(1) * 2 == K && tiles.size(2) == 32 &&
-                  K % 4 == 0,
-              "tiles: int8 [N/16, K/2, 32], K a multiple of 4");
-  const int64_t N = tiles.size(0) * 16;
+  constexpr int64_t width = tokenmill::kAvx512Bf16Built ? 16 : 8, span = 32 / width;
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kChar && tiles.size(1) * span == K && tiles.size(2) == 32 &&
+                  K % (tokenmill::kAvx512Bf16Built ? 4 : 32) == 0,
+              "tiles: int8 [N/", width, ", K/", span, ", 32], K a multiple of ", tokenmill::kAvx512Bf16Built ? 4 : 32);
+  const int64_t N = tiles.size(0) * width;
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
   const at::Tensor xk = as_kernel_dtype(x);
+#if defined(TOKENMILL_AVX512_BF16)
   at::Tensor y = at::empty({M, N}, xk.options());
-#ifdef TOKENMILL_AVX512_BF16
   const Tiles a{reinterpret_cast<const uint32_t*>(xk.data_ptr<c10::BFloat16>()), nullptr,
                 reinterpret_cast<const uint8_t*>(tiles.data_ptr<int8_t>()),
                 reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, 1, K / 4, N, 64};
   tiled_matmul<true>(a, M);
+#elif defined(TOKENMILL_AVX2)
+  const at::Tensor y = tokenmill::avx2::int8_tiled_linear(xk, tiles, scales);
+#else
+  const at::Tensor y = not_built("int8_tiled_linear");
 #endif
   return y.to(x.scalar_type());
 }

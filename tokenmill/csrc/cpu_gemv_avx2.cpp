@@ -9,13 +9,14 @@
 //   read once as it is stored): a block's dot product with 32 codes is vpmaddubsw with |w| as
 //   the unsigned operand and the x codes with w's sign as the signed one (|w| <= 128, |x code|
 //   <= 127: no int16 overflow), vpmaddwd to int32, then one fp32 FMA with the block's scale;
-//   y = scale * sum_blocks d_b * isum_b. Many rows (compute-bound, int8_gemm): the int16 sums
-//   of int8 x int8 cannot be added without overflow, so a vpmaddwd follows every vpmaddubsw, half
-//   of fp32's multiply-port instructions per product; 8 output channels at a time are repacked
-//   per call into int4's tile shape (int8_tile). Shapes it does not take (K % 32, N % 8) widen
-//   the weights to fp32 once per panel of output channels (in a per-thread buffer that stays in
-//   cache) and run 4 x 3 accumulators of 8 dot-product lanes; from kDenseRows rows the whole
-//   weight is widened once and at::mm multiplies it.
+//   y = scale * sum_blocks d_b * isum_b. Int8Linear keeps a weight with K % 32 == 0 and N % 8
+//   == 0 in tiles of 8 output channels (int8_tiled_linear, every row count): there the int16
+//   sums of int8 x int8 cannot be added without overflow, so a vpmaddwd follows every
+//   vpmaddubsw, half of fp32's multiply-port instructions per product. int8_linear reads the
+//   codes as stored, few rows; int8_gemm, many rows of other shapes, widens the weights to fp32
+//   once per panel of output channels (in a per-thread buffer that stays in cache) and runs 4 x
+//   3 accumulators of 8 dot-product lanes; from kDenseRows rows the whole weight is widened once
+//   and at::mm multiplies it.
 // - int4 (asymmetric groups, w = q * scale + min, q = 0..15), every row count: one kernel over
 //   tiles of 8 output channels (int4_tile). q is the unsigned operand as it is, and 8 products
 //   of 15 x 127 fit an int16 sum, so a whole block's sums stay in int16: one vpmaddubsw per 32
@@ -184,14 +185,15 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
   });
 }
 
-// int8 at many rows (int8_gemm): the codes of 8 output channels repacked per call into a tile
-// like int4's (tile [K/4, 32]: byte 4c + j of step t = code(c, 4t + j)), x's 4 codes broadcast,
-// vpmaddubsw with |w| unsigned and x with w's sign (as int8_rows), then vpmaddwd per step: the
-// int16 pair sums of int8 x int8 (up to 2 x 128 x 127) leave no room to add two. Twice the
-// multiply-port instructions of int4 per product, half of fp32's. Rows r0 .. r0 + R - 1 of one tile.
+// int8 over tiles of 8 output channels (Int8Linear's layout at this level, layers/linear.py
+// _tiled_int8_layout, width 8): tile [K/4, 32], byte 4c + j of step t = code(c, 4t + j). x's 4
+// codes broadcast, vpmaddubsw with |w| unsigned and x with w's sign (as int8_rows), then
+// vpmaddwd per step: the int16 pair sums of int8 x int8 (up to 2 x 128 x 127) leave no room to
+// add two. Twice the multiply-port instructions of int4 per product, half of fp32's; few rows
+// read the tiles as one stream. Rows r0 .. r0 + R - 1 of one tile.
 template <int R>
-void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const float* scale, const float* bias,
-               float* y, int64_t N, int64_t n0) {
+void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const float* scale, float* y, int64_t N,
+               int64_t n0) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks = xq.blocks, K = blocks * kBlock;
   const int8_t* xr[R];
@@ -203,6 +205,9 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
     acc[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t line = 0; line < 4; ++line) {  // the block's 256 bytes, kPrefetchBytes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(tile + b * 256 + kPrefetchBytes + 64 * line), _MM_HINT_T0);
+    }
     __m256i part[R];
     for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
@@ -218,8 +223,8 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r]), _mm256_set1_ps(dr[r][b]), acc[r]);
   }
-  const __m256 s8 = _mm256_loadu_ps(scale + n0), b8 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, _mm256_fmadd_ps(acc[r], s8, b8));
+  const __m256 s8 = _mm256_loadu_ps(scale + n0);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, _mm256_mul_ps(acc[r], s8));
 }
 
 // int4 over tiles of 8 output channels (Int4Linear's layout at this level, layers/linear.py
@@ -420,6 +425,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales) {
+  const int64_t M = x.size(0), K = x.size(1), N = tiles.size(0) * 8;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const QuantizedRows xq(x.data_ptr<float>(), M, K);
+  const at::Tensor s32 = scales.to(at::kFloat).contiguous();
+  const float* scale = s32.data_ptr<float>();
+  const int8_t* w = tiles.data_ptr<int8_t>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
+    // a panel of tiles (L2-sized) takes every 4-row group of x before the next panel
+    for (int64_t t0 = begin; t0 < end; t0 += kPanelTiles) {
+      const int64_t t1 = std::min(end, t0 + kPanelTiles);
+      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+        with_row_count(M - r0, [&](auto r) {
+          for (int64_t t = t0; t < t1; ++t) {
+            int8_tile<decltype(r)::value>(xq, r0, w + t * K * 8, scale, out, N, t * 8);
+          }
+        });
+      }
+    }
+  });
+  return y;
+}
+
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
@@ -428,28 +457,6 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int8_t* cp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
   float* out = y.data_ptr<float>();
-  if (K % kBlock == 0 && N % 8 == 0) {  // integer products over tiles repacked per call
-    const QuantizedRows xq(x.data_ptr<float>(), M, K);
-    const at::Tensor s32 = scales.to(at::kFloat).contiguous();
-    const float* scale = s32.data_ptr<float>();
-    const float* bp = bias ? b.data_ptr<float>() : nullptr;
-    at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
-      std::vector<int8_t> tile(8 * K);
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t c = 0; c < 8; ++c) {  // channel c's 4-code words to lane c of each step
-          const auto* src = reinterpret_cast<const uint32_t*>(cp + (t * 8 + c) * K);
-          auto* dst = reinterpret_cast<uint32_t*>(tile.data()) + c;
-          for (int64_t step = 0; step < K / 4; ++step) dst[step * 8] = src[step];
-        }
-        for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-          with_row_count(M - r0, [&](auto r) {
-            int8_tile<decltype(r)::value>(xq, r0, tile.data(), scale, bp, out, N, t * 8);
-          });
-        }
-      }
-    });
-    return y;
-  }
   panel_gemm(x.data_ptr<float>(), M, K, N, bias ? b.data_ptr<float>() : nullptr, out,
              [&](int64_t n0, int64_t cols, float* buf) {
                for (int64_t c = 0; c < cols; ++c) {

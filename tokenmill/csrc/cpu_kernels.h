@@ -48,6 +48,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
+at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales);
 }  // namespace tokenmill::avx2
 
 // cpu_sampler.cpp: one sampled token per row of fp32 logits (Gumbel-max over a counter-based hash

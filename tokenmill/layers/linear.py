@@ -141,11 +141,12 @@ class Int8Linear(QuantizedLinear):
     channels, vdpbf16ps over all rows; max_rows is then at most INT8_GEMM_MIN_ROWS - 1 at
     avx512_bf16) where the kernels are given, else the weight dequantized and multiplied in bf16.
     With `kernels` (see Int4Linear; in_features a multiple of 16), 1-3
-    rows run `kernels.int8_linear` on the same codes. At avx512_bf16 with out_features a multiple
-    of 16 every row count runs `kernels.int8_tiled_linear` instead, on the codes in tiles of 16
-    output channels (`_tiled_int8_layout`, the only copy kept): no transposes per call, and on
-    the default model's matrices (2 cores, Zen 5) never slower than the bf16 layer (0.5x its
-    time at 1 row, 0.4x at 4-8, 0.6-0.95x from 12 to 64, 0.67x at 256)."""
+    rows run `kernels.int8_linear` on the same codes. Where the level's tiles fit
+    (`_int8_tiles_fit`) every row count runs `kernels.int8_tiled_linear` instead, on the codes in
+    tiles of output channels (`_tiled_int8_layout`, the only copy kept): no transposes or
+    repacking per call. At avx512_bf16 (tiles of 16) on the default model's matrices (2 cores,
+    Zen 5) never slower than the bf16 layer (0.5x its time at 1 row, 0.4x at 4-8, 0.6-0.95x from
+    12 to 64, 0.67x at 256); at avx2 tiles of 8 with x in int8 per block of 32 (vpmaddubsw)."""
 
     def __init__(self, record, bias, max_rows: int = 16, kernels=None):
         super().__init__(record, bias, torch.bfloat16)
@@ -156,9 +157,9 @@ class Int8Linear(QuantizedLinear):
         self.kernel = None
         self.kernel_max_rows = 0
         self.tiles = None
-        if (kernels is not None and self.codes.device.type == "cpu" and kernels.native_bf16()
-                and self.in_features % 16 == 0 and self.out_features % 16 == 0):
-            self.kernel, self.tiles, self.codes = kernels, _tiled_int8_layout(self.codes), None
+        if kernels is not None and self.codes.device.type == "cpu" and _int8_tiles_fit(kernels, *self.codes.shape):
+            width = 16 if kernels.native_bf16() else 8
+            self.kernel, self.tiles, self.codes = kernels, _tiled_int8_layout(self.codes, width), None
         elif (kernels is not None and self.codes.device.type == "cpu" and kernels.gemv_supported()
                 and self.in_features % 16 == 0):
             self.kernel = kernels
@@ -298,11 +299,24 @@ def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Te
     return out, per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
 
 
-def _tiled_int8_layout(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] (N a multiple of 16, K even) in the avx512_bf16 kernel's tiled layout
-    (csrc/cpu_gemv.cpp): [N/16, K/2, 32], byte 2c + j of step p = code(16t + c, 2p + j)."""
+def _int8_tiles_fit(kernels, out_features: int, in_features: int) -> bool:
+    """Whether `kernels.int8_tiled_linear` takes an int8 weight of this shape at the kernels'
+    level: tiles of 16 output channels and pairs of input channels at avx512_bf16, tiles of 8
+    and blocks of 32 input channels (x's int8 blocks) at avx2/avx512."""
+    if kernels.native_bf16():
+        return out_features % 16 == 0 and in_features % 16 == 0
+    return kernels.gemv_supported() and out_features % 8 == 0 and in_features % 32 == 0
+
+
+def _tiled_int8_layout(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """int8 codes [N, K] (N a multiple of `width`) in a level's tiled layout: output channels in
+    tiles of `width`, and per tile and step of s = 32 / width input channels 32 bytes, byte
+    s c + j of step p = code(width t + c, s p + j): [N/width, K/s, 32]. Width 16 (avx512_bf16,
+    csrc/cpu_gemv.cpp): pairs for vdpbf16ps; width 8 (avx2, csrc/cpu_gemv_avx2.cpp): words of 4
+    for vpmaddubsw against 4 broadcast codes of x."""
     n, k = codes.shape
-    return codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
+    span = 32 // width
+    return codes.view(n // width, width, k // span, span).permute(0, 2, 1, 3).reshape(n // width, k // span, 32).contiguous()
 
 
 class W8A8Linear(QuantizedLinear):
