@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built 
 # The dtype the host's kernels compute in (dtype "auto"): bf16 with native bf16, fp32 below.
 NATIVE_BF16 = kernels is not None and kernels.native_bf16()
 DTYPE = "bfloat16" if NATIVE_BF16 else "float32"
-needs_prefill_kernel = pytest.mark.skipif(kernels is None or not kernels.prefill_attention_supported(),
+needs_prefill_kernel = pytest.mark.skipif(kernels is None or torch.bfloat16 not in kernels.prefill_attention_dtypes(),
                                           reason="steps with prefill chunks run in the stack with the bf16 prefill "
                                                  "kernel (AVX-512 BF16)")
 
@@ -53,13 +53,14 @@ def model_step(runner, seq_lens: list[int], seed: int = 0, prefill: list[tuple[i
 
 
 class CountingStack:
-    """The DecoderStack, recording the rows of each step it runs."""
+    """The DecoderStack, recording the rows of each step it runs and how many had prefill chunks."""
 
     def __init__(self, stack):
-        self.stack, self.rows = stack, []
+        self.stack, self.rows, self.prefill_steps = stack, [], 0
 
     def forward(self, x, *args):
         self.rows.append(x.shape[0])
+        self.prefill_steps += args[-1] is not None  # (the prefill chunks' kernel arguments)
         return self.stack.forward(x, *args)
 
 
@@ -166,13 +167,40 @@ def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):
     assert [o.outputs[0].token_ids for o in bf16_llm.generate(prompts, params)] == out
 
 
-def test_fp32_prefills_run_the_python_layers(monkeypatch):
-    llm = cpu_llm("smollm2-135m", dtype="float32", quantization="none")
+class CountingKernels:
+    """The attention backend's kernels, counting the prefill kernel's calls."""
+
+    def __init__(self, kernels):
+        self.kernels, self.prefill_calls = kernels, 0
+
+    def paged_decode_attention(self, *args):
+        return self.kernels.paged_decode_attention(*args)
+
+    def paged_prefill_attention(self, *args, **kwargs):
+        self.prefill_calls += 1
+        return self.kernels.paged_prefill_attention(*args, **kwargs)
+
+
+def test_fp32_prefills_run_the_python_layers_and_the_fp32_prefill_kernel(monkeypatch):
+    """fp32 steps with prefill chunks run the Python layers, their attention through the fp32
+    prefill kernel (chunked: 32 tokens a step, so chunks after earlier context too); greedy
+    output token-identical to the same engine with SDPA for its prefills."""
+    llm = cpu_llm("smollm2-135m", dtype="float32", quantization="none", max_num_batched_tokens=32)
     model = llm.engine.core.runner.model
-    spy = CountingStack(model.cpu_decoder)
+    backend = model.attn_backend
+    assert torch.float32 in backend.prefill_dtypes
+    prompts = [[100, 200, 300] * 4, list(range(1000, 1070)), [7, 8, 9] * 33]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    spy, counting = CountingStack(model.cpu_decoder), CountingKernels(backend.kernels)
     monkeypatch.setattr(model, "cpu_decoder", spy)
-    llm.generate([[100, 200, 300] * 4], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert spy.rows == [1, 1]  # no prefill kernel for fp32: only the decode steps
+    monkeypatch.setattr(backend, "kernels", counting)
+    with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert counting.prefill_calls >= 30 * 6  # every layer of each of the >= 6 steps with prefill chunks
+    assert spy.rows and spy.prefill_steps == 0  # the stack ran the decode-only steps, and only those
+    monkeypatch.setattr(backend, "prefill_dtypes", frozenset())
+    calls = counting.prefill_calls
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_kernel
+    assert counting.prefill_calls == calls
 
 
 def test_not_built_without_kernels_or_for_w8a8():
