@@ -11,8 +11,8 @@
 // TOKENMILL_ISA_NAME). The AVX-512 BF16 kernels are built where the compiler targets it; the
 // AVX2 ones (cpu_gemv_avx2.cpp, the fp32 prefill attention) where it targets AVX2 + FMA + F16C
 // (x86-64-v3 and up); elsewhere (generic) the callers keep PyTorch's ops (gemv_supported(),
-// native_bf16(), prefill_attention_dtypes()). No x86 intrinsic appears outside these macros, so the generic
-// build compiles on any architecture (a NEON path would be one more macro and file).
+// native_bf16(), prefill_attention_dtypes()). No x86 intrinsic appears outside these macros, so
+// the generic build compiles on any architecture (a NEON path would be one more macro and file).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_AVX512_BF16 1
 #endif

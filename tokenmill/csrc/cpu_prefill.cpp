@@ -3,8 +3,8 @@
 // style: nothing of size queries x keys exists, only one register tile of scores at a time with
 // a running softmax max and sum per query row. Head size 64 or 128, two kernels of one shape
 // (prefill_attention_dtypes(); elsewhere the backend keeps PyTorch's SDPA):
-// - fp32 queries over an fp32 or int8 cache, AVX2 + FMA (every level from avx2 up): exact fp32
-//   products, softmax and P V, as the torch backend's fp32 SDPA computes them.
+// - fp32 queries over an fp32 or int8 cache, AVX2 + FMA (every level from avx2 up): fp32
+//   products, softmax and P V throughout (within ~1e-6 of a float64 reference, as fp32 SDPA).
 // - bf16 queries over a bf16 or int8 cache, AVX-512 BF16 only: products by vdpbf16ps.
 //
 // Two phases, each over all threads, shared by both kernels:

@@ -20,7 +20,7 @@ cores), so every later process reuses it and no build runs on a CPU without its 
   (an fp32 or int8 cache; AVX2 + FMA, every level from avx2 up) and bfloat16 (a bf16 or int8
   cache; avx512_bf16).
 - `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for a step (decode-only, or
-  with bf16 prefill chunks) in one call, the same ops as the Python layers without the
+  with prefill chunks the prefill kernel takes) in one call, the same ops as the Python layers without the
   interpreter between them (`LlamaForCausalLM.enable_cpu_decoder`).
 - `isa()`: the level the module was built for.
 

@@ -248,15 +248,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_takes(self, meta, dtype: torch.dtype, kv_caches) -> bool:
         """Whether the DecoderStack runs this step: its decodes through the decode kernel (TorchAttentionBackend
-        with kernels) and its prefill chunks, if any, through the bf16 prefill kernel (fp32 steps
-        with prefill chunks run the Python layers, the prefill kernel inside their attention);
-        within every sliding window."""
+        with kernels) and its prefill chunks, if any, through the prefill kernel; within every
+        sliding window."""
         window = self.config.sliding_window
         if window is not None and window < meta.max_seq_len:
             return False
         if not meta.prefill_query_lens:
             return meta.decode_block_tables is not None
-        return dtype == torch.bfloat16 and prefill_kernel_takes(meta, dtype, self.config.head_dim, kv_caches[0])
+        return prefill_kernel_takes(meta, dtype, self.config.head_dim, kv_caches[0])
 
     def enable_cpu_decoder(self, kernels) -> bool:
         """Run the layers of decode-only steps, and of steps whose prefill chunks the prefill kernel
