@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Prefill attention alone: tokenmill's CPU kernel against PyTorch's SDPA, one layer, side by side.
 
-For each prompt length of `--lengths`: a paged KV cache (`--block-size`; bf16, or int8 codes
-and scales with `--kv-cache-dtype int8`) holding one prompt's keys and values (random, blocks in
-a shuffled order) and the prompt's queries, as the model makes them (rows strided: q and k
-rotated together). Timed, alternating, in this process:
+For each prompt length of `--lengths`: a paged KV cache (`--block-size`; the compute dtype
+`--dtype`, bf16 or float32, or int8 codes and scales with `--kv-cache-dtype int8`) holding one
+prompt's keys and values (random, blocks in a shuffled order) and the prompt's queries, as the
+model makes them (rows strided: q and k rotated together). Timed, alternating, in this process:
 
     kernel  paged_prefill_attention (tokenmill/csrc/cpu_prefill.cpp), every chunk of the step in
             one call, as the torch backend calls it with the CPU kernels
@@ -15,10 +15,14 @@ rotated together). Timed, alternating, in this process:
 hit, or a later chunk of chunked prefill): SDPA then gathers the blocks (int8: dequantized) and
 takes an explicit mask; the kernel reads them in place. Each median over `--repeats` alternated
 rounds of ~0.3 s; GFLOP/s counts the causal half (4 * heads * head_dim * keys attended, summed
-over queries). Also printed: the largest and mean difference of each from an fp32 reference of
-the same inputs. Needs a CPU with AVX-512 BF16 (the kernel is not built elsewhere).
+over queries). Also printed: the largest and mean difference of each from a float64 reference
+of the same inputs, and the instruction-set level the kernels were built for. bf16 needs a CPU
+with AVX-512 BF16, float32 one with AVX2 + FMA (`prefill_attention_dtypes()`); to measure the
+AVX2 kernel and PyTorch's AVX2 code on an AVX-512 machine, cap both:
+`TOKENMILL_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2`.
 
     python benchmarks/prefill_attention.py
+    python benchmarks/prefill_attention.py --dtype float32 --lengths 128,512,2048
     python benchmarks/prefill_attention.py --context 1024 --lengths 128,512 --kv-cache-dtype int8
     python benchmarks/prefill_attention.py --heads 32 --kv-heads 8 --head-dim 128 --lengths 512,2048
 """
@@ -46,8 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=3, help="KV heads")
     p.add_argument("--head-dim", type=int, default=64, choices=[64, 128], help="head size")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
-    p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "int8"],
-                   help="the cache's dtype (int8: codes and scales, as kv_cache_dtype int8)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the compute dtype: queries, outputs and a non-quantized cache")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the cache's dtype (auto: the compute dtype; int8: codes and scales, as kv_cache_dtype int8)")
     p.add_argument("--repeats", type=int, default=5, help="alternated timing rounds per length")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--output", type=str, default=str(DEFAULT_OUTPUT), metavar="PATH.json", help="JSON report")
@@ -72,21 +78,22 @@ def one_length(kernels, args, q_len: int) -> dict:
 
     g = torch.Generator().manual_seed(q_len)
     heads, kv_heads, hd, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    dtype = getattr(torch, args.dtype)
     seq_len = args.context + q_len
     blocks = -(-seq_len // bs)
     order = torch.randperm(blocks, generator=g)
-    cache = full = tuple(torch.randn(blocks, bs, kv_heads, hd, generator=g).bfloat16() for _ in range(2))
+    cache = full = tuple(torch.randn(blocks, bs, kv_heads, hd, generator=g).to(dtype) for _ in range(2))
     if args.kv_cache_dtype == "int8":  # (key codes, value codes, key scales, value scales)
         (kc, ks), (vc, vs) = (quantize_kv(c, torch.int8) for c in full)
         cache = (kc, vc, ks, vs)
-    query = torch.randn(q_len, heads + kv_heads, hd, generator=g).bfloat16()[:, :heads]
+    query = torch.randn(q_len, heads + kv_heads, hd, generator=g).to(dtype)[:, :heads]
     table = order.to(torch.int32)[None]
     seq_lens, query_lens = torch.tensor([seq_len], dtype=torch.int32), torch.tensor([q_len], dtype=torch.int32)
-    out = torch.empty(query.shape, dtype=torch.bfloat16)
+    out = torch.empty(query.shape, dtype=dtype)
     scale = hd**-0.5
     # every key in sequence order as the cache holds it (int8: dequantized), and the step's own
     # K/V, the last q_len (in full precision: what an int8 cache quantized)
-    cached_k, cached_v = (x.flatten(0, 1)[:seq_len] for x in _gather(cache, order, torch.bfloat16))
+    cached_k, cached_v = (x.flatten(0, 1)[:seq_len] for x in _gather(cache, order, dtype))
     own_k, own_v = (x[order].flatten(0, 1)[args.context : seq_len] for x in full)
 
     def kernel():  # as the torch backend calls it
@@ -97,14 +104,14 @@ def one_length(kernels, args, q_len: int) -> dict:
     def sdpa():  # the torch backend's path where the kernel does not run
         if args.context == 0:  # a fresh prompt: its own K/V
             return TorchAttentionBackend._prefill(query, own_k, own_v, 0, scale)
-        k, v = (x.flatten(0, 1)[:seq_len] for x in _gather(cache, order, torch.bfloat16))  # blocks gathered, a mask
+        k, v = (x.flatten(0, 1)[:seq_len] for x in _gather(cache, order, dtype))  # blocks gathered, a mask
         return TorchAttentionBackend._prefill(query, k, v, args.context, scale)
 
     k_ref, v_ref = (own_k, own_v) if args.context == 0 else (cached_k, cached_v)
-    reference = TorchAttentionBackend._prefill(query.float(), k_ref.float(), v_ref.float(), args.context, scale).float()
+    reference = TorchAttentionBackend._prefill(query.double(), k_ref.double(), v_ref.double(), args.context, scale)
     errors = {}
     for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
-        diff = (fn().float() - reference).abs()
+        diff = (fn().double() - reference).abs()
         errors[name] = (diff.max().item(), diff.mean().item())
     times = {"kernel": [], "sdpa": []}
     for _ in range(args.repeats):
@@ -127,24 +134,30 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.layers import cpu_kernels
 
     kernels = cpu_kernels.load()
-    if kernels is None or not kernels.prefill_attention_supported():
-        print(f"the prefill kernel is not built here ({cpu_kernels.build_error() or 'needs AVX-512 BF16'})")
+    dtype = getattr(torch, args.dtype)
+    if kernels is None or dtype not in kernels.prefill_attention_dtypes():
+        need = "AVX-512 BF16" if dtype == torch.bfloat16 else "AVX2 + FMA"
+        print(f"the {args.dtype} prefill kernel is not built here ({cpu_kernels.build_error() or 'needs ' + need})")
         return 1
     load = OtherLoad()
     results = [one_length(kernels, args, int(n)) for n in args.lengths.split(",")]
     other = load.cores()
-    print(f"\n{args.heads}:{args.kv_heads} heads x {args.head_dim}, bf16, {args.kv_cache_dtype} cache, block size {args.block_size}, "
-          f"context {args.context}, {torch.get_num_threads()} threads; medians of {args.repeats} alternated rounds\n")
+    cache = args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    print(f"\n{args.heads}:{args.kv_heads} heads x {args.head_dim}, {args.dtype}, {cache} cache, block size {args.block_size}, "
+          f"context {args.context}, {torch.get_num_threads()} threads, kernels built for {kernels.isa()} "
+          f"(PyTorch's CPU capability {torch.backends.cpu.get_cpu_capability()}); "
+          f"medians of {args.repeats} alternated rounds\n")
     rows = [[str(r["prompt_len"]), fmt(r["kernel"]["ms"], ".3f"), fmt(r["sdpa"]["ms"], ".3f"), fmt(r["speedup"], ".2f") + "x",
              fmt(r["kernel"]["gflops"], ".0f"), fmt(r["sdpa"]["gflops"], ".0f"),
-             f'{r["kernel"]["max_abs_err"]:.4f} / {r["kernel"]["mean_abs_err"]:.5f}',
-             f'{r["sdpa"]["max_abs_err"]:.4f} / {r["sdpa"]["mean_abs_err"]:.5f}'] for r in results]
+             f'{r["kernel"]["max_abs_err"]:.1e} / {r["kernel"]["mean_abs_err"]:.1e}',
+             f'{r["sdpa"]["max_abs_err"]:.1e} / {r["sdpa"]["mean_abs_err"]:.1e}'] for r in results]
     print_table(["tokens", "kernel ms", "sdpa ms", "speedup", "kernel GFLOP/s", "sdpa GFLOP/s",
                  "kernel err max / mean", "sdpa err max / mean"], rows)
     warning = busy_warning({"timed runs": other})
     if warning:
         print(warning)
-    write_report(Path(args.output), "prefill_attention", vars(args), results, other_cores=other)
+    write_report(Path(args.output), "prefill_attention", vars(args), results, other_cores=other, isa=kernels.isa(),
+                 torch_cpu_capability=torch.backends.cpu.get_cpu_capability())
     return 0
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built 
 # The dtype the host's kernels compute in (dtype "auto"): bf16 with native bf16, fp32 below.
 NATIVE_BF16 = kernels is not None and kernels.native_bf16()
 DTYPE = "bfloat16" if NATIVE_BF16 else "float32"
-needs_prefill_kernel = pytest.mark.skipif(kernels is None or not kernels.prefill_attention_supported(),
+needs_prefill_kernel = pytest.mark.skipif(kernels is None or torch.bfloat16 not in kernels.prefill_attention_dtypes(),
                                           reason="steps with prefill chunks run in the stack with the bf16 prefill "
                                                  "kernel (AVX-512 BF16)")
 
@@ -53,13 +53,14 @@ def model_step(runner, seq_lens: list[int], seed: int = 0, prefill: list[tuple[i
 
 
 class CountingStack:
-    """The DecoderStack, recording the rows of each step it runs."""
+    """The DecoderStack, recording the rows of each step it runs and how many had prefill chunks."""
 
     def __init__(self, stack):
-        self.stack, self.rows = stack, []
+        self.stack, self.rows, self.prefill_steps = stack, [], 0
 
     def forward(self, x, *args):
         self.rows.append(x.shape[0])
+        self.prefill_steps += args[-1] is not None  # (the prefill chunks' kernel arguments)
         return self.stack.forward(x, *args)
 
 
@@ -134,7 +135,7 @@ def test_quantized_linears_and_kv_cache(options, seq_lens):
     fp32 panel (many rows) kernels."""
     runner = cpu_llm("smollm2-135m", dtype=DTYPE, **options).engine.core.runner
     assert_stack_matches_python(runner, seq_lens)
-    if len(seq_lens) <= 3 and NATIVE_BF16:  # and a step with prefill chunks (many rows: the gemm kernels)
+    if len(seq_lens) <= 3:  # and a step with prefill chunks (many rows: the gemm kernels; bf16 or fp32 prefill kernel)
         assert_stack_matches_python(runner, *PREFILL_STEPS[1])
 
 
@@ -166,13 +167,26 @@ def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):
     assert [o.outputs[0].token_ids for o in bf16_llm.generate(prompts, params)] == out
 
 
-def test_fp32_prefills_run_the_python_layers(monkeypatch):
-    llm = cpu_llm("smollm2-135m", dtype="float32", quantization="none")
+def test_fp32_prefills_run_in_the_stack_with_the_fp32_prefill_kernel(monkeypatch):
+    """fp32 steps with prefill chunks (chunked: 32 tokens a step, so chunks after earlier context
+    too) run in the stack, their attention through the fp32 prefill kernel; greedy output
+    token-identical to the same engine with SDPA for its prefills (and the Python layers for
+    those steps; no prefix cache, so the second run computes every K/V again)."""
+    llm = cpu_llm("smollm2-135m", dtype="float32", quantization="none", max_num_batched_tokens=32,
+                  enable_prefix_caching=False)
     model = llm.engine.core.runner.model
+    backend = model.attn_backend
+    assert torch.float32 in backend.prefill_dtypes
+    prompts = [[100, 200, 300] * 4, list(range(1000, 1070)), [7, 8, 9] * 33]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     spy = CountingStack(model.cpu_decoder)
     monkeypatch.setattr(model, "cpu_decoder", spy)
-    llm.generate([[100, 200, 300] * 4], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert spy.rows == [1, 1]  # no prefill kernel for fp32: only the decode steps
+    with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert spy.prefill_steps >= 6  # 181 prompt tokens, 32 a step
+    monkeypatch.setattr(backend, "prefill_dtypes", frozenset())
+    steps = spy.prefill_steps
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_kernel
+    assert spy.prefill_steps == steps  # the second run's prefills: the Python layers and SDPA
 
 
 def test_not_built_without_kernels_or_for_w8a8():

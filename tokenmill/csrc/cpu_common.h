@@ -9,10 +9,10 @@
 
 // Each build targets one instruction-set level (layers/cpu_isa.py passes its -march flags and
 // TOKENMILL_ISA_NAME). The AVX-512 BF16 kernels are built where the compiler targets it; the
-// AVX2 ones (cpu_gemv_avx2.cpp) where it targets AVX2 + FMA + F16C (x86-64-v3 and up);
-// elsewhere (generic) the callers keep PyTorch's ops (gemv_supported(), native_bf16(),
-// prefill_attention_supported()). No x86 intrinsic appears outside these macros, so the generic
-// build compiles on any architecture (a NEON path would be one more macro and file).
+// AVX2 ones (cpu_gemv_avx2.cpp, the fp32 prefill attention) where it targets AVX2 + FMA + F16C
+// (x86-64-v3 and up); elsewhere (generic) the callers keep PyTorch's ops (gemv_supported(),
+// native_bf16(), prefill_attention_dtypes()). No x86 intrinsic appears outside these macros, so
+// the generic build compiles on any architecture (a NEON path would be one more macro and file).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_AVX512_BF16 1
 #endif
@@ -128,6 +128,28 @@ inline __m256 sum_each_of_8(const __m256* v) {
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
+#ifdef TOKENMILL_AVX2
+// The 8 x 8 transpose of fp32 rows in place: r[i][k] -> r[k][i] (unpacks, in-lane shuffles, then
+// 128-bit lane swaps; 24 shuffles).
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {  // u[h + e], lane L: element 4L + e of rows h .. h + 3
+    u[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+    u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+    u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+    u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    r[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+    r[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+  }
 }
 #endif
 

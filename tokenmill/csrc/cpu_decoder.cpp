@@ -1,6 +1,6 @@
 // DecoderStack: the decoder layers of a Llama-family model (models/llama.py) for a step on the
 // CPU, in one call from Python: decode-only steps, and steps with prefill chunks where
-// paged_prefill_attention takes them (bf16). The Python forward costs ~20 dispatched ops and ~10
+// paged_prefill_attention takes them (fp32 or bf16). The Python forward costs ~20 dispatched ops and ~10
 // module calls per layer, ~1.5 ms per step at batch 1 for the default model (a quarter of the
 // step with int4 weights); here the same ops run back to back from C++, with the GIL released.
 //

@@ -780,13 +780,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("key_scales") = pybind11::none(),
         pybind11::arg("value_scales") = pybind11::none());
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over the paged cache (CPU, bf16 queries)",
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal prefill attention over the paged cache (CPU; fp32 or bf16 queries, prefill_attention_dtypes())",
         pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_lens"), pybind11::arg("scale"),
         pybind11::arg("key_scales") = pybind11::none(), pybind11::arg("value_scales") = pybind11::none(),
         pybind11::arg("key") = pybind11::none(), pybind11::arg("value") = pybind11::none());
-  m.def("prefill_attention_supported", &prefill_attention_supported,
-        "whether paged_prefill_attention was built (AVX-512 BF16)");
+  m.def("prefill_attention_dtypes", &prefill_attention_dtypes,
+        "the query dtypes paged_prefill_attention takes in this build (float32 from AVX2 up, bfloat16 at AVX-512 BF16)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU): (x + delta, rms_norm(x + delta))");
   m.def("int4_linear", &int4_linear, "weight-only int4 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),

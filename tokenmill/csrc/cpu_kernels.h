@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -32,9 +33,10 @@ at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
 
-// cpu_prefill.cpp: causal prefill attention over the paged cache (bf16 queries, a bf16 or int8
-// cache; AVX-512 BF16 only).
-bool prefill_attention_supported();
+// cpu_prefill.cpp: causal prefill attention over the paged cache (fp32 queries over an fp32 or
+// int8 cache from AVX2 up; bf16 over a bf16 or int8 cache at AVX-512 BF16): the query dtypes
+// this build takes.
+std::vector<at::ScalarType> prefill_attention_dtypes();
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_lens, double scale, const c10::optional<at::Tensor>& key_scales,

@@ -7,11 +7,12 @@ machines only ever loads on a CPU that has its instructions:
 
 - `generic`: no SIMD intrinsics (any CPU, aarch64 included); the compiler's own vectorization.
 - `avx2`: x86-64-v3 (AVX2, FMA, F16C; AMD Zen 2/3, most Intel desktops and laptops): int8/int4
-  weights times int8-quantized activations (`vpmaddubsw`), fp32 activations.
+  weights times int8-quantized activations (`vpmaddubsw`), fp32 activations, fp32 decode and
+  prefill attention (FMA).
 - `avx512`: x86-64-v4 (AVX-512 F/BW/DQ/VL without bf16 dot products): the avx2 kernels, with
   the compiler free to use AVX-512 around them.
 - `avx512_bf16`: x86-64-v4 plus AVX-512 BF16 (`vdpbf16ps`; Zen 4/5, Sapphire Rapids): bf16
-  activations, the bf16 matmul and prefill attention kernels.
+  activations, the bf16 matmul and bf16 prefill attention kernels.
 
 The host's level is read from /proc/cpuinfo once. `TOKENMILL_CPU_ISA` caps it for the whole
 process (as `ONEDNN_MAX_CPU_ISA` caps oneDNN), so an AVX-512 machine runs and measures the AVX2

@@ -15,10 +15,12 @@ cores), so every later process reuses it and no build runs on a CPU without its 
   int8 per block of 32 (vpmaddubsw; int8_gemm: weights widened to fp32 panels;
   csrc/cpu_gemv_avx2.cpp). `bf16_linear`: bf16 weights at 1-3 rows
   (`native_bf16()`: avx512_bf16 only).
-- `paged_prefill_attention` (csrc/cpu_prefill.cpp): causal flash attention of a step's bf16
-  prefill chunks over the paged cache (avx512_bf16: `prefill_attention_supported()`).
+- `paged_prefill_attention` (csrc/cpu_prefill.cpp): causal flash attention of a step's prefill
+  chunks over the paged cache, for the query dtypes `prefill_attention_dtypes()` lists: float32
+  (an fp32 or int8 cache; AVX2 + FMA, every level from avx2 up) and bfloat16 (a bf16 or int8
+  cache; avx512_bf16).
 - `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for a step (decode-only, or
-  with bf16 prefill chunks) in one call, the same ops as the Python layers without the
+  with prefill chunks the prefill kernel takes) in one call, the same ops as the Python layers without the
   interpreter between them (`LlamaForCausalLM.enable_cpu_decoder`).
 - `sample_rows` (csrc/cpu_sampler.cpp): one sampled token per row of fp32 logits (temperature,
   min-p, Gumbel-max with noise hashed from a per-row key) in one pass; plain C++, every level.

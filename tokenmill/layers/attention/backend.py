@@ -76,8 +76,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     # With the prefill kernel: the chunks' blocks padded likewise [num_chunks, max_num_blocks],
-    # their context lengths and chunk lengths [num_chunks], all int32.
+    # their context lengths and chunk lengths [num_chunks], all int32; and the query dtypes it takes.
     prefill_kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prefill_kernel_dtypes: frozenset[torch.dtype] = frozenset()
     # The step as the host laid it out, and its longest context: a layer with a sliding window
     # at least that long, and no logit soft-capping, attends as every other layer does.
     layout: BatchLayout | None = None
@@ -109,23 +110,23 @@ class TorchAttentionBackend:
     With `kernels` (the compiled CPU kernels, `layers.cpu_kernels`; a cache of the compute
     dtype or int8 codes + scales, on the CPU), decodes are attended by its
     `paged_decode_attention`, which reads the cache in place through the block tables, instead
-    of gathered padded groups and SDPA; and, where `prefill_attention_supported()` (AVX-512
-    BF16) with bf16 queries, a bf16 or int8 cache and a head size of 64 or 128, every prefill
-    chunk of the step by one `paged_prefill_attention` call (flash-style, over the cache the
-    chunk was just written to; a chunk with no earlier context over its own K/V, as below)
-    instead of SDPA per chunk."""
+    of gathered padded groups and SDPA; and, for query dtypes in `prefill_attention_dtypes()`
+    (float32 from AVX2 up, bf16 at AVX-512 BF16) with a cache of that dtype or int8 and a head
+    size of 64 or 128, every prefill chunk of the step by one `paged_prefill_attention` call
+    (flash-style, over the cache the chunk was just written to; a chunk with no earlier context
+    over its own K/V, as below) instead of SDPA per chunk."""
 
     def __init__(self, group_cost: int = 12, kernels=None):
         self.group_cost = group_cost  # see split_by_length
         self.kernels = kernels
-        self.prefill_kernel = kernels is not None and kernels.prefill_attention_supported()
+        self.prefill_dtypes = frozenset(kernels.prefill_attention_dtypes()) if kernels is not None else frozenset()
 
     def build_metadata(self, layout: BatchLayout, device) -> AttentionMetadata:
         tables = seq_lens = prefill_args = None
         if self.kernels is not None and layout.decode_tables:
             tables = _padded_tables(layout.decode_tables)
             seq_lens = torch.tensor(layout.decode_seq_lens, dtype=torch.int32)
-        if self.prefill_kernel and layout.prefill_tables:
+        if self.prefill_dtypes and layout.prefill_tables:
             prefill_args = (_padded_tables(layout.prefill_tables), torch.tensor(layout.prefill_seq_lens, dtype=torch.int32),
                             torch.tensor(layout.prefill_query_lens, dtype=torch.int32))
         return AttentionMetadata(
@@ -134,6 +135,7 @@ class TorchAttentionBackend:
             decode_block_tables=tables,
             decode_seq_lens=seq_lens,
             prefill_kernel_args=prefill_args,
+            prefill_kernel_dtypes=self.prefill_dtypes if prefill_args is not None else frozenset(),
             decode_groups=[] if tables is not None else build_decode_groups(
                 layout.decode_tables, layout.decode_seq_lens, layout.block_size, device, self.group_cost),
             prefill_query_lens=layout.prefill_query_lens,
@@ -371,12 +373,13 @@ def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
 
 def prefill_kernel_takes(meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, kv_cache) -> bool:
     """Whether this step's prefill chunks go through `paged_prefill_attention`: the backend built
-    its arguments (the CPU kernels, AVX-512 BF16), and it takes this compute dtype, head size and
-    layer cache (bf16 queries, a bf16 or int8 cache, head size 64 or 128)."""
+    its arguments (the CPU kernels), and it takes this compute dtype, head size and layer cache
+    (queries of a dtype in `prefill_kernel_dtypes`: float32 from AVX2 up, bf16 at AVX-512 BF16;
+    a cache of that dtype or int8; head size 64 or 128)."""
     if meta.prefill_kernel_args is None:
         return False
-    cache_dtype = torch.bfloat16 if len(kv_cache) == 2 else torch.int8
-    return dtype == torch.bfloat16 and kv_cache[0].dtype == cache_dtype and head_dim in (64, 128)
+    cache_dtype = dtype if len(kv_cache) == 2 else torch.int8
+    return dtype in meta.prefill_kernel_dtypes and kv_cache[0].dtype == cache_dtype and head_dim in (64, 128)
 
 
 def _write_kv(kv_cache, slot_mapping, key, value) -> None:
