@@ -337,6 +337,16 @@ def test_unseeded_sampler_seed_makes_runs_repeatable(kernels):
     assert runs[0] == runs[1] != runs[2]
 
 
+def test_seeded_rows_leave_the_shared_generator_alone(kernels):
+    """Unseeded rows draw the same after a step of seeded rows as without it."""
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(6))
+    unseeded = [row() for _ in range(8)]
+    seeded = [row(seed=s) for s in range(8)]
+    sampler = Sampler(seed=3, kernels=kernels)
+    sampler(logits, seeded)
+    assert sampler(logits, unseeded).token_ids == Sampler(seed=3, kernels=kernels)(logits, unseeded).token_ids
+
+
 def reference_sample_rows(logits, inv_temperature, min_p, keys) -> torch.Tensor:
     """sample_rows's draw in float64 PyTorch ops: U_i from murmur3's finalizer applied twice to
     (i, the key's halves), argmax of logits * inv_t - log(-log U) over the tokens min-p keeps."""

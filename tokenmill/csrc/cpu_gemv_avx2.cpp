@@ -22,7 +22,8 @@
 //   of 15 x 127 fit an int16 sum, so a whole block's sums stay in int16: one vpmaddubsw per 32
 //   products, where fp32 needs four FMAs. With z = min + 8 scale, w = (q - 8) scale + z, and
 //   sum (q - 8) x_code = isum_b - 8 csum_b (csum_b: the block's sum of x codes) exactly, so
-//   y = sum_blocks scale_g d_b (isum_b - 8 csum_b) + sum_blocks z_g * sum(x of block b).
+//   y = sum_blocks scale_g d_b (isum_b - 8 csum_b) + sum_blocks z_g * sum(x of block b), the
+//   products 8 d_b csum_b made once per block and row when x is quantized (QuantizedRows).
 //   Splitting around the group's middle keeps the quantization error of x multiplied by
 //   weights of the size of w - z (centred, like int8's), not of w - min (up to twice the
 //   range): with min in place of z, batch-1 perplexity was 2% above the bf16 path's.
@@ -57,30 +58,28 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale), sums
-// [M, K/32] (the block's exact fp32 sum) and code_sums (the sum of its codes), the last two for
-// int4. The arrays live in a buffer of the calling thread, reused by its next matmul (prefill
-// quantizes ~1M values a matmul: fresh pages each call would cost more than the quantizing), and
-// many rows are quantized in parallel.
+// x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale), and
+// for int4 terms [M, K/32, 4]: the block's scale again, its exact fp32 sum, and 8 x scale x the
+// sum of its codes (int4_tile's centring term), side by side so that a row's per-block values
+// are one stream. The arrays live in a buffer of the calling thread, reused by its next matmul
+// (prefill quantizes ~1M values a matmul: fresh pages each call would cost more than the
+// quantizing), and many rows are quantized in parallel.
 struct QuantizedRows {
+  static constexpr int64_t kTerms = 4;  // floats per block in terms (the fourth unused)
   int64_t blocks = 0;
   int8_t* q = nullptr;
   float* d = nullptr;
-  float* sums = nullptr;
-  int32_t* code_sums = nullptr;
+  float* terms = nullptr;
 
   QuantizedRows(const float* x, int64_t M, int64_t K) : blocks(K / kBlock) {
     thread_local std::vector<int8_t> q_buffer;
     thread_local std::vector<float> float_buffer;
-    thread_local std::vector<int32_t> int_buffer;
     const int64_t n = M * blocks;
     if (static_cast<int64_t>(q_buffer.size()) < M * K) q_buffer.resize(M * K);
-    if (static_cast<int64_t>(float_buffer.size()) < 2 * n) float_buffer.resize(2 * n);
-    if (static_cast<int64_t>(int_buffer.size()) < n) int_buffer.resize(n);
+    if (static_cast<int64_t>(float_buffer.size()) < (1 + kTerms) * n) float_buffer.resize((1 + kTerms) * n);
     q = q_buffer.data();
     d = float_buffer.data();
-    sums = d + n;
-    code_sums = int_buffer.data();
+    terms = d + n;
     at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) quantize_block(x + b * kBlock, b);
     });
@@ -100,14 +99,18 @@ struct QuantizedRows {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float max = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     d[b] = max / 127.f;
-    sums[b] = hsum(sum);
     const __m256 inv = _mm256_set1_ps(max > 0.f ? 127.f / max : 0.f);
     __m256i c[4];
     for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
     const __m256i c32 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
     const __m128i c8 = _mm_add_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1));
     const __m128i c4 = _mm_add_epi32(c8, _mm_shuffle_epi32(c8, 0x4E));
-    code_sums[b] = _mm_cvtsi128_si32(_mm_add_epi32(c4, _mm_shuffle_epi32(c4, 0xB1)));
+    const int32_t code_sum = _mm_cvtsi128_si32(_mm_add_epi32(c4, _mm_shuffle_epi32(c4, 0xB1)));
+    float* t = terms + b * kTerms;
+    t[0] = d[b];
+    t[1] = hsum(sum);
+    t[2] = static_cast<float>(8 * code_sum) * d[b];
+    t[3] = 0.f;
     // packs work within 128-bit lanes; the permute puts the 32 codes back in order
     const __m256i c16 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(c16, order));
@@ -245,15 +248,11 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
   const __m256 eight = _mm256_set1_ps(8.f);
   const int64_t blocks = xq.blocks, K = blocks * kBlock;
   const int8_t* xr[R];
-  const float* dr[R];
-  const float* sr[R];
-  const int32_t* cr[R];
+  const float* tr[R];
   __m256 acc[R];
   for (int r = 0; r < R; ++r) {
     xr[r] = xq.q + (r0 + r) * K;
-    dr[r] = xq.d + (r0 + r) * blocks;
-    sr[r] = xq.sums + (r0 + r) * blocks;
-    cr[r] = xq.code_sums + (r0 + r) * blocks;
+    tr[r] = xq.terms + (r0 + r) * blocks * QuantizedRows::kTerms;
     acc[r] = _mm256_setzero_ps();
   }
   const uint16_t* group_pairs = pairs;
@@ -286,10 +285,12 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
     const __m256 zero_point = _mm256_fmadd_ps(eight, scale, min);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      // sum (q - 8) x_code = isum - 8 csum, exactly
-      const __m256i centred = _mm256_sub_epi32(_mm256_madd_epi16(part[r], ones), _mm256_set1_epi32(8 * cr[r][b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, _mm256_set1_ps(dr[r][b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(zero_point, _mm256_set1_ps(sr[r][b]), acc[r]);
+      // scale d (isum - 8 csum) + z sum, with 8 d csum from the terms
+      const float* t = tr[r] + b * QuantizedRows::kTerms;
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(part[r], ones));
+      acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(scale, _mm256_broadcast_ss(t)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(zero_point, _mm256_broadcast_ss(t + 1), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(scale, _mm256_broadcast_ss(t + 2), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);

@@ -220,12 +220,13 @@ class Sampler:
             inv_temperature = torch.ones(len(params))
         else:
             inv_temperature = torch.tensor([1.0 / p.temperature for p in params])
-        keys = torch.randint(-(2**63), 2**63 - 1, (len(params),), dtype=torch.int64,
-                             generator=self._generator(self._shared_generators, x.device))
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                key = _row_seed(p.seed, len(rows[i].output_token_ids))
-                keys[i] = key - (1 << 64) if key >= 1 << 63 else key
+        # (seeded rows leave the shared generator where it was, as on the PyTorch path)
+        num_unseeded = sum(p.seed is None for p in params)
+        draws = iter(torch.randint(-(2**63), 2**63 - 1, (num_unseeded,), dtype=torch.int64,
+                                   generator=self._generator(self._shared_generators, x.device)).tolist()
+                     if num_unseeded else ())
+        keys = torch.tensor([next(draws) if p.seed is None else _signed64(_row_seed(p.seed, len(row.output_token_ids)))
+                             for p, row in zip(params, rows)], dtype=torch.int64)
         min_p = torch.tensor([p.min_p for p in params])
         return self._kernels.sample_rows(x.contiguous(), inv_temperature, min_p, keys)
 
@@ -279,6 +280,11 @@ def _splitmix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def _signed64(value: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _row_seed(seed: int, step: int) -> int:
