@@ -296,6 +296,23 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
 }
 
+// tile(R, r0, t) for every tile t of 8 output channels and every group of up to kTileRows rows
+// from r0, the tiles split over the threads: a panel of kPanelTiles tiles (L2-sized) takes every
+// row group of x before the next panel.
+template <typename Tile>
+void over_tiles(int64_t tiles, int64_t M, const Tile& tile) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += kPanelTiles) {
+      const int64_t t1 = std::min(end, t0 + kPanelTiles);
+      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+        with_row_count(M - r0, [&](auto r) {
+          for (int64_t t = t0; t < t1; ++t) tile(r, r0, t);
+        });
+      }
+    }
+  });
+}
+
 // rows(R, r0, begin, end) for every group of up to kTileRows rows, over the output channels in
 // parallel; each thread runs all row groups on a channel before the next, so a weight row is
 // read from memory once however many rows there are.
@@ -410,18 +427,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const auto* p = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
   const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    // a panel of tiles (L2-sized) takes every 4-row group of x before the next panel
-    for (int64_t t0 = begin; t0 < end; t0 += kPanelTiles) {
-      const int64_t t1 = std::min(end, t0 + kPanelTiles);
-      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-        with_row_count(M - r0, [&](auto r) {
-          for (int64_t t = t0; t < t1; ++t) {
-            int4_tile<decltype(r)::value>(xq, r0, w + t * K * 4, p + t * groups * 16, out, N, t * 8, blocks_per_group);
-          }
-        });
-      }
-    }
+  over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+    int4_tile<decltype(r)::value>(xq, r0, w + t * K * 4, p + t * groups * 16, out, N, t * 8, blocks_per_group);
   });
   return y;
 }
@@ -434,18 +441,8 @@ at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const
   const float* scale = s32.data_ptr<float>();
   const int8_t* w = tiles.data_ptr<int8_t>();
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
-    // a panel of tiles (L2-sized) takes every 4-row group of x before the next panel
-    for (int64_t t0 = begin; t0 < end; t0 += kPanelTiles) {
-      const int64_t t1 = std::min(end, t0 + kPanelTiles);
-      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-        with_row_count(M - r0, [&](auto r) {
-          for (int64_t t = t0; t < t1; ++t) {
-            int8_tile<decltype(r)::value>(xq, r0, w + t * K * 8, scale, out, N, t * 8);
-          }
-        });
-      }
-    }
+  over_tiles(N / 8, M, [&](auto r, int64_t r0, int64_t t) {
+    int8_tile<decltype(r)::value>(xq, r0, w + t * K * 8, scale, out, N, t * 8);
   });
   return y;
 }

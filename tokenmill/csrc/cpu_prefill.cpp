@@ -110,6 +110,24 @@ struct PrefillShape : tokenmill::PagedLayout {
     }
   }
 
+  // The online-softmax step of one row over a block of keys (valid > 0 of them visible to it):
+  // scores sr[0, valid) become weights exp(s - m_new) in sr[0, width) (0 past valid); the row's
+  // running max m and sum l are updated and corr = exp(m_old - m_new) rescales its output.
+  static void softmax_step(float* sr, int64_t valid, int64_t width, float& m, float& l, float& corr) {
+    float mx = m;
+    for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < width; ++j) {
+      const float p = j < valid ? std::exp(sr[j] - mx) : 0.f;
+      sr[j] = p;
+      sum += p;
+    }
+    corr = std::exp(m - mx);
+    l = l * corr + sum;
+    m = mx;
+  }
+
   // Query tokens [t0, t1) of a chunk (its rows start at q_start; ctx tokens of context precede
   // it) for the query heads of kv_head.
   void attend(int64_t q_start, int64_t ctx, int64_t kv_head, int64_t t0, int64_t t1, const Packed* kp,
@@ -248,18 +266,7 @@ struct F32Prefill : PrefillShape<F32Prefill<D>, float, float> {
           std::fill(sr, sr + keys, 0.f);
           continue;
         }
-        float mx = m[r];
-        for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < keys; ++j) {
-          const float p = j < valid ? std::exp(sr[j] - mx) : 0.f;
-          sr[j] = p;
-          sum += p;
-        }
-        corr[r] = std::exp(m[r] - mx);
-        l[r] = l[r] * corr[r] + sum;
-        m[r] = mx;
+        this->softmax_step(sr, valid, keys, m[r], l[r], corr[r]);
       }
       values<R>(s, vp + b * kBlockElems, keys, corr, o);
     }
@@ -405,18 +412,7 @@ struct Bf16Prefill : PrefillShape<Bf16Prefill<D>, uint16_t, uint32_t> {
           std::fill(pb + r * kKeyBlock / 2, pb + (r + 1) * kKeyBlock / 2, 0u);
           continue;
         }
-        float mx = m[r];
-        for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < kKeyBlock; ++j) {
-          const float p = j < valid ? std::exp(sr[j] - mx) : 0.f;
-          sr[j] = p;
-          sum += p;
-        }
-        corr[r] = std::exp(m[r] - mx);
-        l[r] = l[r] * corr[r] + sum;
-        m[r] = mx;
+        this->softmax_step(sr, valid, kKeyBlock, m[r], l[r], corr[r]);
         for (int64_t j = 0; j < kKeyBlock; j += 32) {  // pair i of keys (j + 2i, j + 2i + 1)
           const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + j + 16), _mm512_loadu_ps(sr + j));
           _mm512_storeu_si512(pb + r * kKeyBlock / 2 + j / 2, (__m512i)pair);

@@ -158,8 +158,7 @@ class Int8Linear(QuantizedLinear):
         self.kernel_max_rows = 0
         self.tiles = None
         if kernels is not None and self.codes.device.type == "cpu" and _int8_tiles_fit(kernels, *self.codes.shape):
-            width = 16 if kernels.native_bf16() else 8
-            self.kernel, self.tiles, self.codes = kernels, _tiled_int8_layout(self.codes, width), None
+            self.kernel, self.tiles, self.codes = kernels, _tiled_int8_layout(self.codes, _tile_width(kernels)), None
         elif (kernels is not None and self.codes.device.type == "cpu" and kernels.gemv_supported()
                 and self.in_features % 16 == 0):
             self.kernel = kernels
@@ -236,10 +235,10 @@ class Int4Linear(QuantizedLinear):
             return
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)
-                and self.out_features % (16 if kernels.native_bf16() else 8) == 0):
+                and self.out_features % _tile_width(kernels) == 0):
             self.kernel = kernels
             self.kernel_codes, self.kernel_pairs = _tiled_int4_layout(record["codes"], scales, mins,
-                                                                      16 if kernels.native_bf16() else 8)
+                                                                      _tile_width(kernels))
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
         else:
@@ -299,13 +298,19 @@ def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Te
     return out, per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
 
 
+def _tile_width(kernels) -> int:
+    """Output channels per tile of the kernels' int4 and int8 layouts: 16 at avx512_bf16
+    (vdpbf16ps), 8 at avx2/avx512 (vpmaddubsw)."""
+    return 16 if kernels.native_bf16() else 8
+
+
 def _int8_tiles_fit(kernels, out_features: int, in_features: int) -> bool:
     """Whether `kernels.int8_tiled_linear` takes an int8 weight of this shape at the kernels'
     level: tiles of 16 output channels and pairs of input channels at avx512_bf16, tiles of 8
     and blocks of 32 input channels (x's int8 blocks) at avx2/avx512."""
-    if kernels.native_bf16():
-        return out_features % 16 == 0 and in_features % 16 == 0
-    return kernels.gemv_supported() and out_features % 8 == 0 and in_features % 32 == 0
+    if not kernels.gemv_supported() or out_features % _tile_width(kernels):
+        return False
+    return in_features % (16 if kernels.native_bf16() else 32) == 0
 
 
 def _tiled_int8_layout(codes: torch.Tensor, width: int) -> torch.Tensor:
