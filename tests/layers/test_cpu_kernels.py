@@ -24,6 +24,27 @@ pytestmark = pytest.mark.skipif(kernels is None, reason=f"CPU kernels not built 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+def test_a_killed_build_does_not_block_the_next_load_and_a_live_one_is_waited_for():
+    """torch's build lock is a bare file: one left by a killed build used to make every later load
+    wait forever. A fresh process loads anyway (removing it) once no live process holds the
+    build folder's advisory lock, and waits while one does."""
+    import fcntl
+    import subprocess
+    import sys
+
+    folder = cpu_kernels.build_directory(kernels.isa())
+    load = [sys.executable, "-c", "from tokenmill.layers import cpu_kernels; "
+            f"assert cpu_kernels.load({kernels.isa()!r}) is not None"]
+    (folder / "lock").touch()
+    with open(folder / "tokenmill.lock", "a") as live_builder:
+        fcntl.flock(live_builder, fcntl.LOCK_EX)
+        with pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run(load, timeout=10)
+        assert (folder / "lock").exists()
+    subprocess.run(load, timeout=180, check=True)
+    assert not (folder / "lock").exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(6, 2, 8), (4, 4, 64), (8, 1, 128), (9, 3, 64)])
 @pytest.mark.parametrize("bs", [4, 16])

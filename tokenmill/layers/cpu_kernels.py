@@ -28,10 +28,18 @@ cores), so every later process reuses it and no build runs on a CPU without its 
 
 `load()` returns the module, or None when it cannot be built here (no compiler, no ninja); then
 `build_error()` says why and callers use their PyTorch path.
+
+Builds are serialized by an advisory lock (`flock`) on a file in the build folder, which the
+kernel releases when its holder dies. torch's own build lock is a bare file that a build killed
+midway leaves behind, and every later `cpp_extension.load` of that extension would wait on it
+forever; holding the advisory lock proves no live process is building, so `load()` removes such a
+leftover before it builds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import time
@@ -68,13 +76,15 @@ def _load(isa: str):
         from torch.utils import cpp_extension
 
         t0 = time.perf_counter()
-        module = cpp_extension.load(
-            name=build_name(isa),
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *cpu_isa.compile_flags(isa), f"-DTOKENMILL_ISA_NAME={isa}"],
-            extra_ldflags=["-fopenmp", "-lm"],
-            verbose=False,
-        )
+        with _build_lock(build_directory(isa)):
+            module = cpp_extension.load(
+                name=build_name(isa),
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=["-O3", "-ffast-math", "-fopenmp", *cpu_isa.compile_flags(isa),
+                              f"-DTOKENMILL_ISA_NAME={isa}"],
+                extra_ldflags=["-fopenmp", "-lm"],
+                verbose=False,
+            )
         assert module.isa() == isa, (module.isa(), isa)
         logger.info("CPU kernels: %s (ready in %.1fs)", isa, time.perf_counter() - t0)
         return module
@@ -83,6 +93,30 @@ def _load(isa: str):
         _errors[isa] = f"{type(e).__name__}: " + next((line for line in lines if "error:" in line), lines[-1])
         logger.warning("tokenmill CPU kernels (%s) unavailable (%s); using the PyTorch ops instead", isa, _errors[isa])
         return None
+
+
+def build_directory(isa: str) -> Path:
+    """The folder torch builds and caches `isa`'s extension in (created if missing)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(build_name(isa), verbose=False))
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """Hold the folder's advisory lock (waiting while another live process builds), and drop a
+    torch build lock (`lock`) that a killed build left: while the advisory lock is held, no
+    tokenmill process is inside torch's build, so that file has no owner."""
+    with open(folder / "tokenmill.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_error(isa: str | None = None) -> str | None:
