@@ -16,8 +16,10 @@ stopped with SIGTERM at the end, also on an error. Its log goes next to the JSON
 
 llama.cpp: start it yourself first (ctx `-c` is split across the `-np` slots), e.g.
     llama-server -m GGUF -t 2 -np 64 -c 65536 --port 8081
-and pass `--llama-server http://127.0.0.1:8081`. Run nothing else meanwhile: the two servers are
-measured one after the other, and an idle llama-server holds its memory but no CPU.
+and pass `--llama-server http://127.0.0.1:8081`. Start a fresh one for each run: its slots keep the
+last run's prompts cached, and a second run of the same prompts skips their prefill. Run nothing
+else meanwhile: the two servers are measured one after the other, and an idle llama-server holds
+its memory but no CPU.
 
 Hugging Face (`--skip-hf` to leave out): the same prompts, tokenized, through `generate` in static,
 left-padded batches of `--hf-batch-size` in request order, each batch to its longest output. Offline
