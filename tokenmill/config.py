@@ -22,7 +22,7 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # How the quantized weights are chosen: round-to-nearest, or calibrated on data (tokenmill.quantization).
 QUANTIZATION_ALGORITHMS = {"rtn": QUANTIZATION_METHODS, "awq": ("int4",), "gptq": ("int4",), "smoothquant": ("w8a8",)}
 SPECULATIVE_METHODS = ("ngram", "draft")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # tokenmill.layers.attention.kv_quant implements int8 / fp8
+KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8")  # kv_quant implements int8 / fp8; float16: a float32 model's K/V in half the bytes
 CPU_KV_CACHE_MEMORY_GB = 2.0  # the KV-cache budget on CPU when kv_cache_memory_gb is not given
 
 

@@ -94,7 +94,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "CUDA context and other processes' memory count against it, the KV cache gets the rest "
                              f"(default: {d.gpu_memory_utilization:g})")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
-                        help="what the KV cache stores: auto = the compute dtype; int8 / fp8 (e4m3) = codes with one "
+                        help="what the KV cache stores: auto = the compute dtype; float16 = a float32 model's keys "
+                             "and values rounded to float16 (llama.cpp's default cache; half the bytes, twice the "
+                             "blocks; torch attention backend and CPU kernels); int8 / fp8 (e4m3) = codes with one "
                              "float32 scale per token and KV head, quantized on write, ~1.9x the blocks of bf16 for "
                              "the same --kv-cache-memory-gb (default: auto)")
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,

@@ -260,6 +260,43 @@ def test_decode_kernel_reads_an_int8_cache(dtype, heads, kv_heads, hd):
 
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd", [(6, 2, 8), (9, 3, 64), (8, 1, 128)])
+def test_decode_kernel_reads_a_float16_cache(heads, kv_heads, hd):
+    """kv_cache_dtype float16 under float32 compute: the kernel widens the cached rows in place
+    (F16C) and agrees with the PyTorch path, which widens the gathered blocks (the same cache,
+    the same step, a prefill chunk after context in it too); bf16 queries are refused."""
+    bs = 16
+    decode_lens = sorted([1, 3, 16, 17, 40, 5 * bs + 3])
+    cache, query, key, value, layout, *_ = random_step(torch.float32, bs, kv_heads, heads, hd, decode_lens,
+                                                       [(5, 2 * bs + 5)])
+    half = tuple(c.half() for c in cache)
+    backend = TorchAttentionBackend(kernels=kernels)
+    meta = backend.build_metadata(layout, "cpu")
+    out = backend.forward(query, key, value, tuple(t.clone() for t in half), meta, 0.3)
+    plain = TorchAttentionBackend()
+    expected = plain.forward(query, key, value, tuple(t.clone() for t in half), plain.build_metadata(layout, "cpu"), 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    n = len(decode_lens)
+    with pytest.raises(RuntimeError, match="float16 under float32"):
+        kernels.paged_decode_attention(out[:n].bfloat16(), query[:n].bfloat16(), *half, meta.decode_block_tables,
+                                       meta.decode_seq_lens, 0.3)
+
+
+def test_rope_write_kv_rounds_into_a_float16_cache():
+    torch.manual_seed(0)
+    heads, kv_heads, hd, n = 9, 3, 64, 23
+    rotary = RotaryEmbedding(hd, 4096, 10000.0, None, torch.float32)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd) * 100
+    cos_sin = rotary.lookup(torch.randint(0, 4096, (n,)))
+    slots = torch.randperm(8 * 16)[:n]
+    caches = [torch.zeros(8, 16, kv_heads, hd, dtype=torch.float16) for _ in range(2)]
+    qk = kernels.rope_write_kv(qkv, *cos_sin, slots, *caches, heads, kv_heads)
+    reference = rotary.apply(qkv[:, : (heads + kv_heads) * hd].reshape(n, heads + kv_heads, hd), cos_sin)
+    torch.testing.assert_close(qk, reference, atol=0, rtol=0)
+    for cache, x in zip(caches, (qk[:, heads:], qkv[:, (heads + kv_heads) * hd :].reshape(n, kv_heads, hd))):
+        assert torch.equal(cache.view(-1, kv_heads, hd)[slots], x.half())  # rounded as .half() rounds
+
+
 def quantized_cache(cache, full_k, full_v, cache_dtype):
     """A step's (key, value) cache as codes and scales (quantize_kv), and the per-sequence K and V
     the reference attends over: what the kernel reads, each token-head quantized and dequantized."""

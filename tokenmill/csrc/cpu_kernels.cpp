@@ -90,12 +90,13 @@ struct DecodeAttention : tokenmill::PagedLayout {
 #else
       false;
 #endif
-  // fp32 queries (compute dtype fp32, the default below avx512_bf16) over an fp32 or int8 cache:
-  // AVX2 + FMA, int8 codes widened to fp32 (exactly) and the token's scales applied to its score
-  // and its softmax weight.
+  // fp32 queries (compute dtype fp32, the default below avx512_bf16) over an fp32, float16 or
+  // int8 cache: AVX2 + FMA, float16 widened by F16C and int8 codes to fp32 (both exactly), an int8
+  // token's scales applied to its score and its softmax weight.
   static constexpr bool kFp32Simd =
 #ifdef TOKENMILL_AVX2
-      std::is_same_v<T, float> && (std::is_same_v<C, float> || kInt8) && kHeadDim > 0 && kHeadDim % 8 == 0;
+      std::is_same_v<T, float> && (std::is_same_v<C, float> || std::is_same_v<C, at::Half> || kInt8) &&
+      kHeadDim > 0 && kHeadDim % 8 == 0;
 #else
       false;
 #endif
@@ -221,10 +222,12 @@ struct DecodeAttention : tokenmill::PagedLayout {
   static constexpr int kF32PassVecs = kF32Vecs % 4 == 0 ? 4 : kF32Vecs % 2 == 0 ? 2 : 1;
   static constexpr int kF32Heads = 3;
 
-  // 8 cached K or V elements as fp32 (int8 codes exactly, without their scale).
+  // 8 cached K or V elements as fp32 (float16 and int8 codes exactly, int8 without its scale).
   static __m256 load8(const C* p) {
     if constexpr (kInt8) {
       return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    } else if constexpr (std::is_same_v<C, at::Half>) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     } else {
       return _mm256_loadu_ps(p);
     }
@@ -614,15 +617,19 @@ void rope_write_kv_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor
   const T* sin_ptr = sin.data_ptr<T>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
-  // The cache holds T, or int8 codes when scales are given.
+  // The cache holds T, float16 (T float), or int8 codes when scales are given.
   void* k_base = key_cache.data_ptr();
   void* v_base = value_cache.data_ptr();
+  const bool half = key_cache.scalar_type() == at::kHalf;
   const auto store = [&](const T* x, void* base, float* scales, int64_t slot) {
     if (scales) {
       int8_t* codes = static_cast<int8_t*>(base) + slot * kv_row;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         quantize_row_int8(x + h * head_dim, codes + h * head_dim, scales + slot * num_kv_heads + h, head_dim);
       }
+    } else if (half) {  // rounded to nearest, as torch's .half()
+      at::Half* dst = static_cast<at::Half*>(base) + slot * kv_row;
+      for (int64_t i = 0; i < kv_row; ++i) dst[i] = static_cast<at::Half>(static_cast<float>(x[i]));
     } else {
       std::copy(x, x + kv_row, static_cast<T*>(base) + slot * kv_row);
     }
@@ -684,7 +691,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
-  const bool quantized = tokenmill::check_cache_dtype(query.scalar_type(), key_cache, value_cache, key_scales, value_scales);
+  const bool quantized =
+      tokenmill::check_cache_dtype(query.scalar_type(), key_cache, value_cache, key_scales, value_scales, true);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.size(0) == query.size(0) &&
                   seq_lens.size(0) == query.size(0),
@@ -698,6 +706,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     if (quantized) {
       dispatch_head_dim<scalar_t, int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                                           key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
+    } else if (key_cache.scalar_type() == at::kHalf) {  // float32 queries (check_cache_dtype)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        dispatch_head_dim<float, at::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, nullptr,
+                                           nullptr);
+      }
     } else {
       dispatch_head_dim<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, nullptr,
                                             nullptr);
@@ -772,7 +785,8 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
               "cos and sin: [n, head_dim] rows (a middle axis of 1 allowed)");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "qkv, cos and sin must share a dtype");
-  const bool quantized = tokenmill::check_cache_dtype(qkv.scalar_type(), key_cache, value_cache, key_scales, value_scales);
+  const bool quantized =
+      tokenmill::check_cache_dtype(qkv.scalar_type(), key_cache, value_cache, key_scales, value_scales, true);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
                   slot_mapping.is_contiguous(),
               "slot_mapping: contiguous [n] int64");

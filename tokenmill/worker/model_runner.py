@@ -33,7 +33,7 @@ from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerO
 from tokenmill.distributed import ParallelGroup, ShardPlan
 from tokenmill.distributed.pipeline import pipeline_forward
 from tokenmill.layers.attention import BatchLayout
-from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, indexable
+from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, KV_STORE_DTYPES, indexable
 from tokenmill.layers.cpu_isa import native_bf16
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.models import build_model
@@ -112,12 +112,18 @@ class ModelRunner:
             self.shard = ShardPlan(checkpoint.config, parallel.tp_size, parallel.tp_rank, parallel.pp_size, parallel.pp_rank)
         self.dtype = TORCH_DTYPES[dtype]
         # KV cache codes: the compute dtype, or int8 / fp8 with a float32 scale per token and head.
-        self.kv_code_dtype = KV_CODE_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        self.kv_code_dtype = {**KV_CODE_DTYPES, **KV_STORE_DTYPES}.get(config.kv_cache_dtype, self.dtype)
         self.kv_quantized = config.kv_cache_dtype in KV_CODE_DTYPES
+        if config.kv_cache_dtype in KV_STORE_DTYPES and self.dtype != torch.float32:
+            raise ConfigError("kv_cache_dtype", f"{config.kv_cache_dtype} stores a float32 model's keys and values in "
+                              f"half the bytes; this model computes in {dtype} (use auto, int8 or fp8)")
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.vocab_size = checkpoint.config.vocab_size  # the logits' width, and the bitmasks'
         self.attention_backend = config.resolved_attention_backend(self.device.type)
+        if self.attention_backend == "triton" and config.kv_cache_dtype in KV_STORE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"{config.kv_cache_dtype} is read by the torch attention backend and "
+                              "the CPU kernels; with the triton backend use auto, int8 or fp8")
         if (self.device.type == "cuda" and self.attention_backend == "triton" and config.kv_cache_dtype == "fp8"
                 and torch.cuda.get_device_capability(self.device) < (8, 9)):
             raise ConfigError("kv_cache_dtype", "fp8 with the triton attention backend needs a GPU of compute "

@@ -385,10 +385,10 @@ def prefill_kernel_takes(meta: AttentionMetadata, dtype: torch.dtype, head_dim: 
 def _write_kv(kv_cache, slot_mapping, key, value) -> None:
     """Store this step's K/V [num_tokens, num_kv_heads, head_dim] at their slots (quantized in a
     4-tensor cache: K and V together, one set of ops for both)."""
-    if len(kv_cache) == 2:
+    if len(kv_cache) == 2:  # the compute dtype, or float16 under float32 (rounded here)
         key_cache, value_cache = kv_cache
-        key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
-        value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+        key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
         return
     key_codes, value_codes, key_scales, value_scales = kv_cache
     codes, scales = quantize_kv(torch.stack((key, value)), key_codes.dtype)  # [2, n, kv_heads, (head_dim)]
@@ -401,7 +401,7 @@ def _gather(kv_cache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     head_dim] each, in the compute dtype `dtype` (dequantized from a 4-tensor cache)."""
     if len(kv_cache) == 2:
         key_cache, value_cache = kv_cache
-        return key_cache.index_select(0, block_ids), value_cache.index_select(0, block_ids)
+        return key_cache.index_select(0, block_ids).to(dtype), value_cache.index_select(0, block_ids).to(dtype)
     key_codes, value_codes, key_scales, value_scales = kv_cache
     return (dequantize_kv(key_codes.index_select(0, block_ids), key_scales.index_select(0, block_ids), dtype),
             dequantize_kv(value_codes.index_select(0, block_ids), value_scales.index_select(0, block_ids), dtype))

@@ -18,6 +18,9 @@ import torch
 
 # kv_cache_dtype (config) -> the dtype codes are stored in; "auto" stores the compute dtype.
 KV_CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# kv_cache_dtype -> a plain float dtype the cache stores instead of float32 compute's (no scales:
+# written rounded, read widened; float16 is what llama.cpp's cache holds by default).
+KV_STORE_DTYPES = {"float16": torch.float16}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
