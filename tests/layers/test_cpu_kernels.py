@@ -299,7 +299,10 @@ def test_rope_write_kv_rounds_into_a_float16_cache():
 
 def quantized_cache(cache, full_k, full_v, cache_dtype):
     """A step's (key, value) cache as codes and scales (quantize_kv), and the per-sequence K and V
-    the reference attends over: what the kernel reads, each token-head quantized and dequantized."""
+    the reference attends over: what the kernel reads, each token-head quantized and dequantized
+    (float16: the cache rounded, and widened back)."""
+    if cache_dtype == torch.float16:
+        return tuple(c.half() for c in cache), *([x.half().float() for x in xs] for xs in (full_k, full_v))
     (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(c, cache_dtype) for c in cache)
     full_k, full_v = ([dequantize_kv(*quantize_kv(x, cache_dtype), torch.float32) for x in xs] for xs in (full_k, full_v))
     return (key_codes, value_codes, key_scales, value_scales), full_k, full_v
@@ -584,13 +587,13 @@ FP32_PREFILL = [(200, 200), (65, 65), (63, 63), (7, 7), (1, 1), (65, 130), (7, 7
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (4, 4, 64)])
-@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16, torch.int8])
 def test_fp32_prefill_kernel_at_every_level(level, heads, kv_heads, hd, cache_dtype):
     """Every fp32 prefill chunk of a step in one paged_prefill_attention call (AVX2 + FMA at every
     level from avx2 up) against a float64 reference: within 1e-5 absolute + 1e-5 relative (exact
     fp32 products, softmax and P V; measured max |error| ~1.2e-6). Through the backend a fresh
-    prompt attends to its own K/V rows (full precision over an int8 cache), a chunk after context
-    to the cache (int8: codes times scales, as dequantize_kv); called without key/value, fresh
+    prompt attends to its own K/V rows (full precision over an int8 or float16 cache), a chunk after
+    context to the cache (int8: codes times scales, as dequantize_kv; float16 widened); called without key/value, fresh
     prompts read the cache too. Identical on 1 and 2 threads."""
     assert torch.float32 in level.prefill_attention_dtypes()
     cache, query, key, value, layout, full_k, full_v, q_lens = random_step(torch.float32, 16, kv_heads, heads, hd,

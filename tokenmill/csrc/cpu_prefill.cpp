@@ -3,7 +3,7 @@
 // style: nothing of size queries x keys exists, only one register tile of scores at a time with
 // a running softmax max and sum per query row. Head size 64 or 128, two kernels of one shape
 // (prefill_attention_dtypes(); elsewhere the backend keeps PyTorch's SDPA):
-// - fp32 queries over an fp32 or int8 cache, AVX2 + FMA (every level from avx2 up): fp32
+// - fp32 queries over an fp32, float16 or int8 cache, AVX2 + FMA (every level from avx2 up): fp32
 //   products, softmax and P V throughout (within ~1e-6 of a float64 reference, as fp32 SDPA).
 // - bf16 queries over a bf16 or int8 cache, AVX-512 BF16 only: products by vdpbf16ps.
 //
@@ -66,8 +66,9 @@ struct PrefillShape : tokenmill::PagedLayout {
   using PackedType = Packed;
 
   const Elem* q;
-  const void* k_cache;  // Elem, or int8 codes with k_scales / v_scales
+  const void* k_cache;  // Elem, float16 (k_half; Elem float), or int8 codes with k_scales / v_scales
   const void* v_cache;
+  bool k_half = false;
   const float* k_scales;
   const float* v_scales;
   const Elem* own_k;  // the query tokens' own keys and values (or null), rows own_k_row / own_v_row apart
@@ -101,6 +102,14 @@ struct PrefillShape : tokenmill::PagedLayout {
         const int64_t off = offsets[key];
         return Kernel::load((value ? v : k) + off, (value ? v_scales : k_scales)[off / D], c);
       });
+    } else if (k_half) {
+      if constexpr (std::is_same_v<Elem, float>) {
+        const auto* k = static_cast<const at::Half*>(k_cache);
+        const auto* v = static_cast<const at::Half*>(v_cache);
+        Kernel::pack_rows(n, kp, vp, [&](bool value, int64_t key, int64_t c) {
+          return Kernel::load((value ? v : k) + offsets[key], c);
+        });
+      }
     } else {
       const auto* k = static_cast<const Elem*>(k_cache);
       const auto* v = static_cast<const Elem*>(v_cache);
@@ -166,8 +175,12 @@ struct F32Prefill : PrefillShape<F32Prefill<D>, float, float> {
   static constexpr int kTileRows = 6;                    // accumulators: 6 rows x 2 vectors
   static constexpr int64_t kBlockElems = kKeyBlock * D;  // floats per packed K (or V) block
 
-  // Dims 8c .. 8c + 7 of a row, or of int8 codes times their scale (exact products in fp32).
+  // Dims 8c .. 8c + 7 of a row (float16 widened exactly), or of int8 codes times their scale
+  // (exact products in fp32).
   static __m256 load(const float* row, int64_t c) { return _mm256_loadu_ps(row + 8 * c); }
+  static __m256 load(const at::Half* row, int64_t c) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * c)));
+  }
   static __m256 load(const int8_t* codes, float scale, int64_t c) {
     const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * c));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_set1_ps(scale));
@@ -442,6 +455,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   attn.q = static_cast<const Elem*>(query.data_ptr());
   attn.k_cache = key_cache.data_ptr();
   attn.v_cache = value_cache.data_ptr();
+  attn.k_half = key_cache.scalar_type() == at::kHalf;
   attn.k_scales = k_scales;
   attn.v_scales = v_scales;
   attn.own_k = key ? static_cast<const Elem*>(key->data_ptr()) : nullptr;
@@ -545,7 +559,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes(),
               "key_cache and value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim], same shape");
-  const bool quantized = tokenmill::check_cache_dtype(dtype, key_cache, value_cache, key_scales, value_scales);
+  const bool quantized = tokenmill::check_cache_dtype(dtype, key_cache, value_cache, key_scales, value_scales, true);
   const int64_t head_dim = query.size(2), kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && query.size(1) % kv_heads == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");

@@ -375,11 +375,11 @@ def prefill_kernel_takes(meta: AttentionMetadata, dtype: torch.dtype, head_dim: 
     """Whether this step's prefill chunks go through `paged_prefill_attention`: the backend built
     its arguments (the CPU kernels), and it takes this compute dtype, head size and layer cache
     (queries of a dtype in `prefill_kernel_dtypes`: float32 from AVX2 up, bf16 at AVX-512 BF16;
-    a cache of that dtype or int8; head size 64 or 128)."""
+    a cache of that dtype, float16 under float32, or int8; head size 64 or 128)."""
     if meta.prefill_kernel_args is None:
         return False
-    cache_dtype = dtype if len(kv_cache) == 2 else torch.int8
-    return dtype in meta.prefill_kernel_dtypes and kv_cache[0].dtype == cache_dtype and head_dim in (64, 128)
+    cache_dtypes = ((dtype, torch.float16) if dtype == torch.float32 else (dtype,)) if len(kv_cache) == 2 else (torch.int8,)
+    return dtype in meta.prefill_kernel_dtypes and kv_cache[0].dtype in cache_dtypes and head_dim in (64, 128)
 
 
 def _write_kv(kv_cache, slot_mapping, key, value) -> None:
