@@ -86,21 +86,19 @@ inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
-// The cache holds `compute` (no scales), or int8 codes with float32 scales [num_blocks,
-// block_size, num_kv_heads] for both K and V. Returns whether it is int8.
-// `half_ok`: the kernel also reads (or writes) a float16 cache under float32 compute
-// (`kv_cache_dtype` float16).
+// The cache holds `compute` or, under float32, float16 (`kv_cache_dtype` float16; no scales), or
+// int8 codes with float32 scales [num_blocks, block_size, num_kv_heads] for both K and V.
+// Returns whether it is int8.
 inline bool check_cache_dtype(at::ScalarType compute, const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const c10::optional<at::Tensor>& key_scales,
-                              const c10::optional<at::Tensor>& value_scales, bool half_ok = false) {
+                              const c10::optional<at::Tensor>& value_scales) {
   const bool quantized = key_scales.has_value();
   TORCH_CHECK(quantized == value_scales.has_value(), "key_scales and value_scales: both or neither");
-  const bool half = half_ok && !quantized && compute == at::kFloat && key_cache.scalar_type() == at::kHalf;
+  const bool half = !quantized && compute == at::kFloat && key_cache.scalar_type() == at::kHalf;
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
                   (half || key_cache.scalar_type() == (quantized ? at::kChar : compute)),
-              half_ok ? "the cache must hold the compute dtype or float16 under float32 (without scales), or int8 "
-                        "codes (with scales)"
-                      : "the cache must hold the compute dtype (without scales) or int8 codes (with scales)");
+              "the cache must hold the compute dtype or float16 under float32 (without scales), or int8 codes "
+              "(with scales)");
   if (quantized) {
     for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
       check_cpu(*t, "every tensor");

@@ -691,8 +691,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
-  const bool quantized =
-      tokenmill::check_cache_dtype(query.scalar_type(), key_cache, value_cache, key_scales, value_scales, true);
+  const bool quantized = tokenmill::check_cache_dtype(query.scalar_type(), key_cache, value_cache, key_scales, value_scales);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.size(0) == query.size(0) &&
                   seq_lens.size(0) == query.size(0),
@@ -785,8 +784,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
               "cos and sin: [n, head_dim] rows (a middle axis of 1 allowed)");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "qkv, cos and sin must share a dtype");
-  const bool quantized =
-      tokenmill::check_cache_dtype(qkv.scalar_type(), key_cache, value_cache, key_scales, value_scales, true);
+  const bool quantized = tokenmill::check_cache_dtype(qkv.scalar_type(), key_cache, value_cache, key_scales, value_scales);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
                   slot_mapping.is_contiguous(),
               "slot_mapping: contiguous [n] int64");

@@ -559,7 +559,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes(),
               "key_cache and value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim], same shape");
-  const bool quantized = tokenmill::check_cache_dtype(dtype, key_cache, value_cache, key_scales, value_scales, true);
+  const bool quantized = tokenmill::check_cache_dtype(dtype, key_cache, value_cache, key_scales, value_scales);
   const int64_t head_dim = query.size(2), kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && query.size(1) % kv_heads == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");

@@ -111,7 +111,8 @@ class ModelRunner:
         if parallel is not None:  # (what cannot be split is refused by the config and the executor)
             self.shard = ShardPlan(checkpoint.config, parallel.tp_size, parallel.tp_rank, parallel.pp_size, parallel.pp_rank)
         self.dtype = TORCH_DTYPES[dtype]
-        # KV cache codes: the compute dtype, or int8 / fp8 with a float32 scale per token and head.
+        # KV cache codes: the compute dtype, float16 under float32, or int8 / fp8 with a float32
+        # scale per token and head.
         self.kv_code_dtype = {**KV_CODE_DTYPES, **KV_STORE_DTYPES}.get(config.kv_cache_dtype, self.dtype)
         self.kv_quantized = config.kv_cache_dtype in KV_CODE_DTYPES
         if config.kv_cache_dtype in KV_STORE_DTYPES and self.dtype != torch.float32:

@@ -378,7 +378,10 @@ def prefill_kernel_takes(meta: AttentionMetadata, dtype: torch.dtype, head_dim: 
     a cache of that dtype, float16 under float32, or int8; head size 64 or 128)."""
     if meta.prefill_kernel_args is None:
         return False
-    cache_dtypes = ((dtype, torch.float16) if dtype == torch.float32 else (dtype,)) if len(kv_cache) == 2 else (torch.int8,)
+    if len(kv_cache) == 4:
+        cache_dtypes = (torch.int8,)
+    else:
+        cache_dtypes = (dtype, torch.float16) if dtype == torch.float32 else (dtype,)
     return dtype in meta.prefill_kernel_dtypes and kv_cache[0].dtype in cache_dtypes and head_dim in (64, 128)
 
 
