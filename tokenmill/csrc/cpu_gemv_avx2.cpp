@@ -285,12 +285,12 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
     const __m256 zero_point = _mm256_fmadd_ps(eight, scale, min);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      // scale d (isum - 8 csum) + z sum, with 8 d csum from the terms
+      // scale (d isum - 8 d csum) + z sum, with 8 d csum from the terms: three FP operations
       const float* t = tr[r] + b * QuantizedRows::kTerms;
       const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(part[r], ones));
-      acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(scale, _mm256_broadcast_ss(t)), acc[r]);
+      const __m256 centred = _mm256_fmsub_ps(isum, _mm256_broadcast_ss(t), _mm256_broadcast_ss(t + 2));
+      acc[r] = _mm256_fmadd_ps(scale, centred, acc[r]);
       acc[r] = _mm256_fmadd_ps(zero_point, _mm256_broadcast_ss(t + 1), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(scale, _mm256_broadcast_ss(t + 2), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);

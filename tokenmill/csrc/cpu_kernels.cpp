@@ -240,53 +240,95 @@ struct DecodeAttention : tokenmill::PagedLayout {
   static constexpr int64_t kRowBytes = kHeadDim * static_cast<int64_t>(sizeof(C));
   static constexpr int64_t kF32PrefetchTokens = 8;
 
-  static void prefetch_row(const C* row) {
+  // (always inlined: GCC takes a function of nothing but prefetches for one without effects and
+  // drops calls to it)
+  __attribute__((always_inline)) static void prefetch_row(const C* row) {
     for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
   }
 
+  // The K and V rows of the tokens kF32PrefetchTokens past the 8 from t0 (from 0 at t0 = 0).
+  __attribute__((always_inline)) void prefetch_ahead(const int64_t* offsets, int64_t n, int64_t t0) const {
+    const int64_t end = std::min(n, t0 + 8 + kF32PrefetchTokens);
+    for (int64_t t = t0 ? t0 + kF32PrefetchTokens : 0; t < end; ++t) {
+      prefetch_row(k_ptr + offsets[t]);
+      prefetch_row(v_ptr + offsets[t]);
+    }
+  }
+
   // scores[g * n + t] = scale * q_g . k_t, 8 tokens at a time: each token's products summed in
-  // two vectors, then the 8 sums reduced into one vector together. The first query head's pass
-  // fetches the K and V rows of the tokens kF32PrefetchTokens ahead (V for fp32_values).
+  // two vectors, then the 8 sums reduced into one vector together. An fp32 cache is read in
+  // place, one query head's pass over all tokens after another. A float16 or int8 row is widened
+  // once, into registers, and taken by every query head in turn, with the heads' sums kept aside
+  // (64 decodes of ~100 tokens, 9 query / 3 KV heads: float16 9.1 -> 8.8 ms a step, int8 12.3 ->
+  // 12.1; for fp32 the head-by-head order stays ahead). The first pass over each 8 tokens fetches
+  // the K and V rows of the tokens kF32PrefetchTokens ahead (V for fp32_values).
   void fp32_scores(const float* q, const int64_t* offsets, int64_t n, float* scores) const {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * kHeadDim;
-      for (int64_t t0 = 0; t0 < n; t0 += 8) {
-        const int64_t count = std::min<int64_t>(8, n - t0);
-        if (g == 0) {
-          for (int64_t t = t0 ? t0 + kF32PrefetchTokens : 0; t < std::min(n, t0 + 8 + kF32PrefetchTokens); ++t) {
-            prefetch_row(k_ptr + offsets[t]);
-            prefetch_row(v_ptr + offsets[t]);
+    if constexpr (std::is_same_v<C, float>) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * kHeadDim;
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+          const int64_t count = std::min<int64_t>(8, n - t0);
+          if (g == 0) prefetch_ahead(offsets, n, t0);
+          __m256 part[8];
+          for (int64_t i = 0; i < 8; ++i) {
+            if (i >= count) {
+              part[i] = _mm256_setzero_ps();
+              continue;
+            }
+            const float* k = k_ptr + offsets[t0 + i];
+            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
+            for (int64_t c = 1; c < kF32Vecs; ++c) {
+              __m256& a = c % 2 ? a1 : a0;
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + 8 * c), a);
+            }
+            part[i] = _mm256_add_ps(a0, a1);
           }
-        }
-        __m256 part[8];
-        for (int64_t i = 0; i < 8; ++i) {
-          if (i >= count) {
-            part[i] = _mm256_setzero_ps();
-            continue;
-          }
-          const C* k = k_ptr + offsets[t0 + i];
-          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(k)), a1 = _mm256_setzero_ps();
-          for (int64_t c = 1; c < kF32Vecs; ++c) {
-            __m256& a = c % 2 ? a1 : a0;
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(k + 8 * c), a);
-          }
-          part[i] = _mm256_add_ps(a0, a1);
-        }
-        __m256 sums = _mm256_mul_ps(tokenmill::sum_each_of_8(part), vscale);
-        if constexpr (kInt8) {
-          alignas(32) float k_scale[8] = {};
-          for (int64_t i = 0; i < count; ++i) k_scale[i] = k_scales[offsets[t0 + i] / kHeadDim];
-          sums = _mm256_mul_ps(sums, _mm256_load_ps(k_scale));
-        }
-        if (count == 8) {
-          _mm256_storeu_ps(scores + g * n + t0, sums);
-        } else {
-          alignas(32) float tail[8];
-          _mm256_store_ps(tail, sums);
-          std::copy(tail, tail + count, scores + g * n + t0);
+          store_scores(part, offsets + t0, count, scores + g * n + t0);
         }
       }
+    } else {
+      // part[g * 8 + i]: token t0 + i's products with query head g, summed into one vector
+      auto* part = static_cast<__m256*>(__builtin_alloca_with_align(group * 8 * sizeof(__m256), 256));
+      for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t count = std::min<int64_t>(8, n - t0);
+        prefetch_ahead(offsets, n, t0);
+        for (int64_t i = 0; i < 8; ++i) {
+          if (i >= count) {
+            for (int64_t g = 0; g < group; ++g) part[g * 8 + i] = _mm256_setzero_ps();
+            continue;
+          }
+          const C* k_row = k_ptr + offsets[t0 + i];
+          __m256 k[kF32Vecs];
+          for (int64_t c = 0; c < kF32Vecs; ++c) k[c] = load8(k_row + 8 * c);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q + g * kHeadDim;
+            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]), a1 = _mm256_setzero_ps();
+            for (int64_t c = 1; c < kF32Vecs; ++c) {
+              __m256& a = c % 2 ? a1 : a0;
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), k[c], a);
+            }
+            part[g * 8 + i] = _mm256_add_ps(a0, a1);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) store_scores(part + g * 8, offsets + t0, count, scores + g * n + t0);
+      }
+    }
+  }
+
+  // out[i] = scale * (the sum of part[i]'s lanes) (times the token's K scale for int8), i < count.
+  void store_scores(const __m256* part, const int64_t* offsets, int64_t count, float* out) const {
+    __m256 sums = _mm256_mul_ps(tokenmill::sum_each_of_8(part), _mm256_set1_ps(scale));
+    if constexpr (kInt8) {
+      alignas(32) float k_scale[8] = {};
+      for (int64_t i = 0; i < count; ++i) k_scale[i] = k_scales[offsets[i] / kHeadDim];
+      sums = _mm256_mul_ps(sums, _mm256_load_ps(k_scale));
+    }
+    if (count == 8) {
+      _mm256_storeu_ps(out, sums);
+    } else {
+      alignas(32) float tail[8];
+      _mm256_store_ps(tail, sums);
+      std::copy(tail, tail + count, out);
     }
   }
 
