@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256, help="output tokens per request (exact: EOS is ignored)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measured requests per engine (median reported); also llama-bench's -r")
+    p.add_argument("--quantization-lm-head", choices=("auto", "int8", "int4", "none"), default="auto",
+                   help="the LM head's format in the int8/int4/auto configs (the engine's --quantization-lm-head)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads (and llama-bench -t); None = tokenmill's default, the physical core count")
     p.add_argument("--skip-hf", action="store_true", help="leave out the Hugging Face transformers reference")
@@ -256,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = prompts = None
     for name in args.configs:
         kwargs = {**config_kwargs(name, args.dtype), "num_threads": args.num_threads}
+        if kwargs["quantization"] in ("int8", "int4", "auto") and args.quantization_lm_head != "auto":
+            kwargs["quantization_lm_head"] = args.quantization_lm_head
         print(f"tokenmill {name}: loading ({kwargs}) ...", flush=True)
         t = time.perf_counter()
         llm = LLM(args.model, **kwargs)
@@ -267,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = str(llm.engine.core.dtype)
         base = config_base(name)
         weights = dtype if base == "bf16" else f"{base} ({dtype} compute)"
+        if "quantization_lm_head" in kwargs:
+            weights += f", {kwargs['quantization_lm_head']} LM head"
         r = run_tokenmill(llm, prompts, args.output_len)
         label = config_label(name, args.dtype)
         results.append({"engine": f"tokenmill {label}", "config": label, "llm_kwargs": kwargs, "weights": weights,

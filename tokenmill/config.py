@@ -18,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # tokenmill.layers.attention.make_backend builds them
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "fp8")  # tokenmill.layers.linear implements them
 QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATION_METHODS)
+LM_HEAD_CHOICES = ("auto", "int8", "int4", "none")  # quantization_lm_head
 INT4_GROUP_SIZES = (32, 64, 128)
 # How the quantized weights are chosen: round-to-nearest, or calibrated on data (tokenmill.quantization).
 QUANTIZATION_ALGORITHMS = {"rtn": QUANTIZATION_METHODS, "awq": ("int4",), "gptq": ("int4",), "smoothquant": ("w8a8",)}
@@ -65,10 +66,16 @@ class EngineConfig:
     # dequantized), "int8" (weight-only, per output channel), "int4" (weight-only, asymmetric,
     # groups of quantization_group_size input channels), "w8a8" (int8 weights and per-token int8
     # activations, int8 matmul) or "fp8" (E4M3 weights; E4M3 activations on GPUs with FP8 tensor
-    # cores). The LM head is weight-only int8 in the last four. A checkpoint written by
+    # cores). The LM head is quantization_lm_head in the last four. A checkpoint written by
     # `tokenmill quantize` is already quantized (leave this "auto").
     quantization: str | None = "auto"
     quantization_group_size: int = 32
+    # The LM head's format: "auto" (int8 when quantizing on load, as stored under quantization
+    # "auto"), or, quantizing on load or over a GGUF file's head under "auto": "int8" (weight-only,
+    # per output channel), "int4" (weight-only, groups of quantization_group_size: fewer bytes a
+    # token where the head is a large part of the model, as an untied 150k vocabulary is) or
+    # "none" (dense in dtype).
+    quantization_lm_head: str = "auto"
     # How the codes are chosen: "rtn" (round-to-nearest) or calibrated on
     # calibration_samples windows of calibration_seq_len tokens of `calibration` ("gsm8k",
     # "gpl3" or a .txt/.jsonl path): "awq" or "gptq" (int4), "smoothquant" (w8a8, migration
@@ -154,6 +161,12 @@ class EngineConfig:
             raise ConfigError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ConfigError("quantization", f"must be one of {QUANTIZATION_CHOICES} or None, got {self.quantization!r}")
+        if self.quantization_lm_head not in LM_HEAD_CHOICES:
+            raise ConfigError("quantization_lm_head", f"must be one of {LM_HEAD_CHOICES}, got {self.quantization_lm_head!r}")
+        if self.quantization_lm_head != "auto" and self.quantization not in ("auto", *QUANTIZATION_METHODS):
+            raise ConfigError("quantization_lm_head", f"applies when quantizing on load (quantization one of "
+                              f"{QUANTIZATION_METHODS}) or to a GGUF file's head under 'auto', not with quantization "
+                              f"{self.quantization!r}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ConfigError("quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.quantization_group_size!r}")
         if self.quantization_algorithm not in QUANTIZATION_ALGORITHMS:

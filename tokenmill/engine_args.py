@@ -11,7 +11,7 @@ import os
 
 from tokenmill.config import (
     ATTENTION_BACKENDS, CPU_KV_CACHE_MEMORY_GB, DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS,
-    QUANTIZATION_CHOICES, SPECULATIVE_METHODS,
+    LM_HEAD_CHOICES, QUANTIZATION_CHOICES, SPECULATIVE_METHODS,
     EngineConfig,
 )
 from tokenmill.engine.faults import FAULT_ENV
@@ -52,12 +52,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "int8, float tensors dense; a Hugging Face checkpoint dense); none = dense in --dtype (a "
                              "GGUF file dequantized); or quantize on load: int8 (weight-only, per output channel), int4 "
                              "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "
-                             "activations), fp8 (E4M3 weights; on CPU a storage format), the LM head weight-only int8 in "
-                             "these four. A checkpoint from `tokenmill quantize` is already quantized: leave it auto "
-                             f"(default: {d.quantization})")
+                             "activations), fp8 (E4M3 weights; on CPU a storage format), the LM head as "
+                             "--quantization-lm-head says in these four. A checkpoint from `tokenmill quantize` is already "
+                             f"quantized: leave it auto (default: {d.quantization})")
     parser.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=d.quantization_group_size,
                         help="input channels per int4 scale/zero group; a layer it does not divide takes the largest of "
                              f"64, 32 that does (default: {d.quantization_group_size})")
+    parser.add_argument("--quantization-lm-head", choices=LM_HEAD_CHOICES, default=d.quantization_lm_head,
+                        help="the LM head's format: auto = int8 when --quantization quantizes on load, as stored under "
+                             "--quantization auto; or, quantizing on load or over a GGUF file's head under auto: int8 "
+                             "(weight-only, per output channel), int4 (weight-only, groups of --quantization-group-size: "
+                             "fewer bytes a token where the head is a large part of the model, e.g. an untied 150k "
+                             "vocabulary; at some cost in perplexity) or none (dense in --dtype) (default: auto)")
     parser.add_argument("--quantization-algorithm", choices=tuple(QUANTIZATION_ALGORITHMS), default=d.quantization_algorithm,
                         help="how --quantization chooses the codes: rtn (round-to-nearest), awq or gptq (int4, calibrated), "
                              "smoothquant (w8a8, calibrated); calibration runs at start-up (default: rtn)")

@@ -57,6 +57,50 @@ def test_saved_checkpoint_computes_what_the_in_memory_quantization_does(tiny_qwe
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lm_head, head_type", [("int4", "Int4Linear"), ("none", "DenseLinear")])
+def test_the_lm_head_format_is_chosen_apart_from_the_body(tiny_qwen2_dir, tmp_path, lm_head, head_type):
+    """`--lm-head` / quantization_lm_head on the tiny Qwen2 (untied head): the checkpoint records
+    it, loads with that head, and computes what the in-memory quantization does."""
+    out = tmp_path / "q"
+    assert main(["quantize", str(tiny_qwen2_dir), "--method", "int4", "--lm-head", lm_head, "--save-dtype", "float32",
+                 "-o", str(out), "--no-report"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["lm_head"] == (
+        None if lm_head == "none" else lm_head)
+    loaded = LLM(str(out), dtype="float32", kv_cache_memory_gb=0.05)
+    in_memory = LLM(str(tiny_qwen2_dir), dtype="float32", kv_cache_memory_gb=0.05, quantization="int4",
+                    quantization_lm_head=lm_head)
+    for llm in (loaded, in_memory):
+        model = llm.engine.core.runner.model
+        assert type(model.lm_head).__name__ == head_type
+        assert type(model.layers[0].mlp.down_proj).__name__ == "Int4Linear"
+    assert _outputs(loaded) == _outputs(in_memory)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"quantization": "int4", "quantization_lm_head": "int2"}, "must be one of"),
+    ({"quantization": "none", "quantization_lm_head": "none"}, "applies when quantizing on load"),
+])
+def test_a_bad_lm_head_format_is_a_config_error(kwargs, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        EngineConfig(**kwargs)
+    assert e.value.field == "quantization_lm_head"
+
+
+def test_under_auto_the_lm_head_format_applies_to_a_gguf_files_head(default_model_path, tiny_qwen2_dir):
+    """The default model's GGUF: Q4_1 layers as stored, its Q8_0 (tied) head requantized to int4;
+    a Hugging Face directory, loaded as stored, refuses it."""
+    llm = LLM(str(default_model_path), dtype="float32", quantization="auto", quantization_lm_head="int4",
+              kv_cache_memory_gb=0.05)
+    model = llm.engine.core.runner.model
+    assert type(model.lm_head).__name__ == "Int4Linear"
+    assert type(model.layers[0].mlp.down_proj).__name__ == "Int4Linear"
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    assert "Paris" in out[0].outputs[0].text
+    with pytest.raises(ConfigError, match="loaded as stored") as e:
+        LLM(str(tiny_qwen2_dir), quantization="auto", quantization_lm_head="int4", kv_cache_memory_gb=0.05)
+    assert e.value.field == "quantization_lm_head"
+
+
 def test_default_model_int4_checkpoint_round_trip(default_model_path, default_checkpoint, tmp_path):
     out = tmp_path / "int4"
     assert main(["quantize", str(default_model_path), "--method", "int4", "-o", str(out), "--no-report"]) == 0

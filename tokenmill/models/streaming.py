@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.embedding import Int4Embedding
 from tokenmill.layers.linear import DenseLinear, build_linear
 from tokenmill.models import gguf_blocks
@@ -56,6 +57,12 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         method_of = lambda name: None  # noqa: E731
     elif qconfig.method == AUTO:
         methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name)
+        if qconfig.lm_head != AUTO:  # the head requantized (round-to-nearest) from the file's, or dense
+            if tied and checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
+                raise ConfigError("quantization_lm_head", "the head is the file's int4 embedding, loaded as stored; "
+                                  "leave quantization_lm_head auto")
+            methods[LM_HEAD] = qconfig.lm_head
+            from_records.discard(LM_HEAD)
         method_of = methods.get
     else:
         method_of = qconfig.method_of

@@ -6,7 +6,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from tokenmill.config import INT4_GROUP_SIZES, QUANTIZATION_ALGORITHMS, QUANTIZATION_METHODS, EngineConfig
+from tokenmill.config import (
+    INT4_GROUP_SIZES, LM_HEAD_CHOICES, QUANTIZATION_ALGORITHMS, QUANTIZATION_METHODS, EngineConfig,
+)
 
 _log = logging.getLogger(__name__)
 _D = EngineConfig()
@@ -45,6 +47,10 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, default=_D.quantization_group_size,
                    help="int4: input channels per scale/zero group; a layer it does not divide takes the largest of "
                         f"64, 32 that does (default: {_D.quantization_group_size})")
+    p.add_argument("--lm-head", choices=LM_HEAD_CHOICES, default=_D.quantization_lm_head,
+                   help="the LM head's format: int8 (weight-only, per output channel; what auto gives), int4 "
+                        "(weight-only, groups of --group-size, round-to-nearest) or none (dense, --save-dtype) "
+                        "(default: auto)")
     add_calibration_args(p)
     p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of the tensors left unquantized (embeddings, norms) in the checkpoint (default: bfloat16)")
@@ -70,6 +76,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     # Through the engine config, whose checks name the bad field (method/algorithm pairs, ranges).
     qconfig = QuantConfig.from_engine(EngineConfig(
         quantization=args.method, quantization_group_size=args.group_size, quantization_algorithm=args.algorithm,
+        quantization_lm_head=args.lm_head,
         calibration=args.calibration, calibration_samples=args.calibration_samples,
         calibration_seq_len=args.calibration_seq_len, smoothquant_alpha=args.smoothquant_alpha))
     source = resolve_model(args.model)
