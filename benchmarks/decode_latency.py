@@ -48,7 +48,7 @@ BANDWIDTH_BYTES = 512 * 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from tokenmill.config import EngineConfig
+    from tokenmill.config import LM_HEAD_CHOICES, EngineConfig
 
     d = EngineConfig()
     p = argparse.ArgumentParser(
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256, help="output tokens per request (exact: EOS is ignored)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measured requests per engine (median reported); also llama-bench's -r")
-    p.add_argument("--quantization-lm-head", choices=("auto", "int8", "int4", "none"), default="auto",
+    p.add_argument("--quantization-lm-head", choices=LM_HEAD_CHOICES, default=d.quantization_lm_head,
                    help="the LM head's format in the int8/int4/auto configs (the engine's --quantization-lm-head)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads (and llama-bench -t); None = tokenmill's default, the physical core count")

@@ -276,12 +276,7 @@ struct DecodeAttention : tokenmill::PagedLayout {
               continue;
             }
             const float* k = k_ptr + offsets[t0 + i];
-            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
-            for (int64_t c = 1; c < kF32Vecs; ++c) {
-              __m256& a = c % 2 ? a1 : a0;
-              a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + 8 * c), a);
-            }
-            part[i] = _mm256_add_ps(a0, a1);
+            part[i] = row_products(qg, [&](int64_t c) { return _mm256_loadu_ps(k + 8 * c); });
           }
           store_scores(part, offsets + t0, count, scores + g * n + t0);
         }
@@ -301,18 +296,24 @@ struct DecodeAttention : tokenmill::PagedLayout {
           __m256 k[kF32Vecs];
           for (int64_t c = 0; c < kF32Vecs; ++c) k[c] = load8(k_row + 8 * c);
           for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q + g * kHeadDim;
-            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]), a1 = _mm256_setzero_ps();
-            for (int64_t c = 1; c < kF32Vecs; ++c) {
-              __m256& a = c % 2 ? a1 : a0;
-              a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), k[c], a);
-            }
-            part[g * 8 + i] = _mm256_add_ps(a0, a1);
+            part[g * 8 + i] = row_products(q + g * kHeadDim, [&](int64_t c) { return k[c]; });
           }
         }
         for (int64_t g = 0; g < group; ++g) store_scores(part + g * 8, offsets + t0, count, scores + g * n + t0);
       }
     }
+  }
+
+  // The products of query head qg with one K row (vector c of it: row(c)), summed into one vector
+  // through two accumulators (two chains of dependent FMAs).
+  template <typename Row>
+  __attribute__((always_inline)) static __m256 row_products(const float* qg, const Row& row) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), row(0)), a1 = _mm256_setzero_ps();
+    for (int64_t c = 1; c < kF32Vecs; ++c) {
+      __m256& a = c % 2 ? a1 : a0;
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), row(c), a);
+    }
+    return _mm256_add_ps(a0, a1);
   }
 
   // out[i] = scale * (the sum of part[i]'s lanes) (times the token's K scale for int8), i < count.

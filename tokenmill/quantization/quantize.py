@@ -60,17 +60,17 @@ class QuantConfig:
         tensors as stored."""
         if config.quantization in (None, "none"):
             return None
-        head = config.quantization_lm_head
+        head = None if config.quantization_lm_head == "none" else config.quantization_lm_head
         if config.quantization == AUTO:
             if checkpoint and checkpoint.stored_types:  # lm_head AUTO: the file's head as stored
-                return cls(method=AUTO, group_size=config.quantization_group_size, lm_head=None if head == "none" else head)
+                return cls(method=AUTO, group_size=config.quantization_group_size, lm_head=head)
             if head != AUTO:
                 raise ConfigError("quantization_lm_head", f"applies to a GGUF file's head under quantization 'auto'; "
                                   f"{checkpoint.source if checkpoint else 'this checkpoint'} is loaded as stored")
             return None
         return cls(
             method=config.quantization, group_size=config.quantization_group_size, algorithm=config.quantization_algorithm,
-            lm_head={AUTO: "int8", "none": None}.get(head, head),
+            lm_head="int8" if head == AUTO else head,
             calibration=config.calibration, calibration_samples=config.calibration_samples,
             calibration_seq_len=config.calibration_seq_len, smoothquant_alpha=config.smoothquant_alpha,
         )
