@@ -119,3 +119,39 @@ def test_mixed_gguf_runs_as_stored(tmp_path, tied):
     for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
         # the same weights; the int4/int8 kernels round activations (bf16 or int8 per block)
         np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+
+
+def _int4_weights(layer: Int4Linear) -> list[torch.Tensor]:
+    """What an Int4Linear multiplies with, in whichever layout it keeps."""
+    return [t for t in (layer.packed, layer.scales_and_zeros, getattr(layer, "kernel_codes", None),
+                        getattr(layer, "kernel_pairs", None)) if t is not None]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_int4_keeps_the_files_4_bit_codes(tmp_path, tied):
+    """quantization="int4" takes a linear whose every tensor is Q4_0 / Q4_1 / Q4_K from the file's
+    own codes, as "auto" does, where rounding the dequantized values again would give other codes
+    (Q4_0's grid is not the 16 levels from a group's min to its max); a linear with a wider tensor
+    is rounded, and so is a tied head, from the embedding, which loads dense."""
+    from tokenmill.quantization.formats import record_from_rtn
+
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 128, "intermediate_size": 128}), tie_word_embeddings=tied)
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, "llama", random_model(config), permute_qk=True,
+               types=MIXED | ({"token_embd.weight": T.Q4_1} if tied else {}))
+    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
+    auto = LLM(str(path), quantization_lm_head="auto" if tied else "int4", **kw).engine.core.runner.model
+    int4 = LLM(str(path), quantization="int4", quantization_lm_head="int4", **kw).engine.core.runner.model
+    for name in ("layers.0.self_attn.qkv_proj", "layers.0.mlp.down_proj") + (() if tied else ("lm_head",)):
+        ours, stored = int4.get_submodule(name), auto.get_submodule(name)
+        assert isinstance(ours, Int4Linear) and ours.group_size == 32
+        assert all(torch.equal(a, b) for a, b in zip(_int4_weights(ours), _int4_weights(stored), strict=True)), name
+    assert isinstance(int4.layers[0].mlp.gate_up_proj, Int4Linear)  # Q4_1 + Q8_0: rounded from the dequantized values
+    assert isinstance(int4.embed_tokens, torch.nn.Embedding) and isinstance(int4.lm_head, Int4Linear)
+
+    # what rounding the file's Q4_0 values again would have given instead
+    checkpoint = load_checkpoint(path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    file_codes = dict(checkpoint.weights(records={name: "int4"}))[name]["codes"]
+    rounded = record_from_rtn("int4", dict(checkpoint.weights())[name], 32)["codes"]
+    assert not torch.equal(file_codes, rounded)

@@ -66,6 +66,7 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         method_of = methods.get
     else:
         method_of = qconfig.method_of
+        from_records = _file_codes_for_int4(model, params, checkpoint, linears, local_name, qconfig)
     quantized = {name for name in linears if method_of(name) is not None}
     owner = {f"{name}.{kind}": name for name in linears for kind in ("weight", "bias")}
     staging = _Staging()
@@ -176,11 +177,9 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     return model.eval()
 
 
-def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],
-                    local_name) -> tuple[dict[str, str | None], set[str]]:
-    """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method; a
-    mixture of experts' router and shared-expert gate stay dense), and the linears loaded from
-    records (int8 ones, int4 ones whose every tensor is of a repacked type). local_name: a
+def _linear_types(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],
+                  local_name) -> dict[str, list[str]]:
+    """The GGUF types ("Q4_K", "F32", ...) of each linear's checkpoint tensors. local_name: a
     checkpoint name's in this rank's model, None for another pipeline stage's layer."""
     stored = checkpoint.stored_types
     types: dict[str, list[str]] = {name: [] for name in linears}
@@ -191,6 +190,30 @@ def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint
             types[linear].append(stored.get(hf_name, "F32"))
     if model.config.tie_word_embeddings:
         types[LM_HEAD] = [stored.get("model.embed_tokens.weight", "F32")]
+    return types
+
+
+def _file_codes_for_int4(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],
+                         local_name, qconfig) -> set[str]:
+    """The linears that round-to-nearest int4 takes from a GGUF file's own codes: those whose every
+    tensor is of a type repacked exactly into int4 at the group size asked for (Q4_0 / Q4_1 / Q4_K,
+    32). Rounding their dequantized values again would put them on a second grid: each weight moved
+    by up to half a step more, for the same bytes. A tied head stays rounded from the embedding,
+    which loads dense."""
+    if not checkpoint.stored_types or qconfig.algorithm != "rtn" or qconfig.group_size != gguf_blocks.GROUP_SIZE:
+        return set()
+    types = _linear_types(model, params, checkpoint, linears, local_name)
+    return {name for name, t in types.items() if qconfig.method_of(name) == "int4" and t
+            and all(x in gguf_blocks.INT4_REPACKED for x in t) and not (model.config.tie_word_embeddings and name == LM_HEAD)}
+
+
+def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],
+                    local_name) -> tuple[dict[str, str | None], set[str]]:
+    """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method; a
+    mixture of experts' router and shared-expert gate stay dense), and the linears loaded from
+    records (int8 ones, int4 ones whose every tensor is of a repacked type). local_name: a
+    checkpoint name's in this rank's model, None for another pipeline stage's layer."""
+    types = _linear_types(model, params, checkpoint, linears, local_name)
     methods = {name: None if name.endswith(ROUTER_SUFFIXES) else gguf_blocks.linear_method(t) for name, t in types.items()}
     from_records = {name for name, t in types.items() if methods[name] == "int8" or (
         methods[name] == "int4" and all(x in gguf_blocks.INT4_REPACKED for x in t))}
@@ -198,7 +221,7 @@ def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint
         from_records.discard(LM_HEAD)  # the embedding is read whole, dense; the head is made from it
     counts = Counter(methods[name] or "dense" for name in linears)
     _log.info("%s: linear layers as stored: %s (GGUF types %s)", checkpoint.source.name,
-              ", ".join(f"{n} {m}" for m, n in sorted(counts.items())), ", ".join(sorted(set(stored.values()))))
+              ", ".join(f"{n} {m}" for m, n in sorted(counts.items())), ", ".join(sorted(set(checkpoint.stored_types.values()))))
     return methods, from_records
 
 
