@@ -20,8 +20,10 @@ Ceiling: a decode step at batch 1 reads every weight once, so tok/s <= memory re
 bytes read per token. Bandwidth is measured here (`t.sum()` over a 512 MiB fp32 tensor, best of
 several, same threads); bytes per token = the model's tensors (parameters, buffers and the packed
 int8/int4 weights the linears keep as plain attributes), less the tensors only indexed per token
-(an embedding table not shared with the LM head, rotary cos/sin caches). KV cache reads are not
-counted (small at batch 1 with short contexts).
+(an embedding table not shared with the LM head, rotary cos/sin caches); for llama.cpp the GGUF
+file's tensors less its token embedding where the file has its own output.weight (llama-bench's
+model_size counts the whole file). KV cache reads are not counted (small at batch 1 with short
+contexts).
 
     python benchmarks/decode_latency.py --llama-bench /tmp/lcpp/build/bin/llama-bench
     python benchmarks/decode_latency.py --configs int8 --output-len 8 --repeats 1   # smoke test
@@ -45,6 +47,17 @@ from common import (
 
 DEFAULT_OUTPUT = RESULTS_DIR / "decode_latency.json"
 BANDWIDTH_BYTES = 512 * 2**20
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """The bytes of a GGUF file's tensors that llama.cpp reads in full for a batch-1 token: all of
+    them but the token embedding when the file has its own output.weight (then a token reads one
+    row of the embedding; llama-bench's model_size counts the whole table)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    untied = "output.weight" in tensors
+    return sum(n for name, n in tensors.items() if not (untied and name == "token_embd.weight"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -303,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp: llama-bench ...", flush=True)
         rec = run_llama_bench(args.llama_bench, model_path, threads, 0, args.output_len, args.repeats)
         results.append({"engine": "llama.cpp (llama-bench)", "weights": rec.get("model_type", "gguf"),
-                        "read_per_token_bytes": rec.get("model_size"), "ttft_s": None,
+                        "read_per_token_bytes": gguf_bytes_per_token(model_path), "model_size": rec.get("model_size"),
+                        "ttft_s": None,
                         "decode_tok_per_s": rec["avg_ts"], "wall_tok_per_s": None,
                         "decode_tok_per_s_stddev": rec.get("stddev_ts"),
                         "other_processes_cores": rec["other_processes_cores"], "llama_bench": rec})
