@@ -61,7 +61,8 @@ class EngineConfig:
     # host's is an error, a lower one runs that level's code (to measure it on a bigger CPU).
     cpu_isa: str = "auto"
     # Quantization of the linear layers on load: "auto" (a GGUF file's quantized tensors as
-    # stored: Q4_0/Q4_1/Q4_K repacked into int4, wider types int8, models/gguf_blocks.py; any
+    # stored: Q4_0/Q4_1/Q4_K repacked into int4, Q6_K into int6 where the CPU kernels run it,
+    # other wider types int8, models/gguf_blocks.py; any
     # other checkpoint as stored), "none" or None (the dtype's weights, a GGUF file's
     # dequantized), "int8" (weight-only, per output channel), "int4" (weight-only, asymmetric,
     # groups of quantization_group_size input channels), "w8a8" (int8 weights and per-token int8

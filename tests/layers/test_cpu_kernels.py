@@ -441,6 +441,45 @@ def test_int4_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):
     torch.testing.assert_close(got, x @ (codes * 0.5 - 1.0).t(), atol=1e-3, rtol=1e-5)  # +-832
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 13, 64, 260])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (48, 1536), (8, 32)])
+def test_int6_linear_matches_the_dequantized_weight(level, rows, out_features, in_features):
+    """The 6-bit kernel (every level from avx2 up: the avx2 kernel, x in int8 per block of 32)
+    at any number of rows against x's int8 blocks times (q - 32) * scale, negative scales too
+    (Q6_K's), codes over the whole range 0..63."""
+    from tokenmill.layers.linear import Int6Linear
+
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 64, (out_features, in_features), generator=g).to(torch.uint8)
+    scales = torch.rand(out_features, in_features // 16, generator=g) * 0.005 - 0.00125
+    layer = Int6Linear({"codes": codes, "scales": scales}, None, level)
+    assert layer.kernel is level and layer.weight is None
+    weight = (codes.float() - 32).view(out_features, -1, 16) * scales[..., None]
+    weight = weight.view(out_features, in_features)
+    x = activations(level, rows, in_features, g)
+    got = level.int6_linear(x, layer.low, layer.high, layer.tile_scales)
+    assert got.dtype == x.dtype and got.shape == (rows, out_features)
+    # the scales as the kernel reads them (bf16), x as int8 per block of 32
+    bf16_weight = ((codes.float() - 32).view(out_features, -1, 16) * scales.bfloat16().float()[..., None]).view_as(weight)
+    torch.testing.assert_close(got.float(), int8_blocks(x.float()) @ bf16_weight.t(), atol=1e-2, rtol=2**-7)
+    assert torch.equal(layer(x), got)
+    torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=6e-2, rtol=2e-2)
+
+
+def test_int6_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):
+    """Codes 63 and 0 against x codes of +-127: a step's int16 sum of two vpmaddubsw (up to 4 x 63
+    x 127 = 32004) does not saturate."""
+    from tokenmill.layers.linear import Int6Linear
+
+    for code in (63, 0):
+        codes = torch.full((8, 64), code, dtype=torch.uint8)
+        layer = Int6Linear({"codes": codes, "scales": torch.full((8, 4), 0.25)}, None, level)
+        x = torch.ones(2, 64)
+        x[1] = -1
+        got = layer(x.bfloat16() if level.native_bf16() else x).float()
+        torch.testing.assert_close(got, x @ torch.full((8, 64), (code - 32) * 0.25).t(), atol=1e-2, rtol=1e-5)
+
+
 @pytest.mark.skipif(kernels is None or not kernels.native_bf16(), reason="bf16_linear needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(960, 576, False), (37, 96, True)])

@@ -155,3 +155,82 @@ def test_int4_keeps_the_files_4_bit_codes(tmp_path, tied):
     file_codes = dict(checkpoint.weights(records={name: "int4"}))[name]["codes"]
     rounded = record_from_rtn("int4", dict(checkpoint.weights())[name], 32)["codes"]
     assert not torch.equal(file_codes, rounded)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [N, K/256 x 210] of w [N, K] in gguf-py's layout (gguf-py has no Q6_K
+    quantizer): per sub-block of 16 the scale that puts its largest magnitude at code -32, as int8
+    factors of a super-block d whose largest factor is -128, as llama.cpp's quantizer leaves them."""
+    n, k = w.shape
+    sub = w.reshape(-1, 16, 16).astype(np.float32)  # [super-block, sub-block, weight]
+    big = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]
+    scale = -big / 32  # the largest magnitude at code -32
+    top = np.take_along_axis(scale, np.abs(scale).argmax(axis=1)[:, None], axis=1)
+    d = (-top / 128).astype(np.float16)
+    d = np.where(d == 0, np.float16(1), d)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)), -128, 127).astype(np.int8)
+    step = d.astype(np.float32) * sc.astype(np.float32)
+    q = np.clip(np.rint(sub / np.where(step == 0, 1, step)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # [block, half, row, l]: weight 128 half + 32 row + l
+    low, high = q & 0x0F, q >> 4
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8).reshape(-1, 16),
+                             d.reshape(-1, 1).view(np.uint8)], axis=1)
+    return blocks.reshape(n, -1)
+
+
+def test_int6_record_is_the_files_q6_k_weights_exactly():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((24, 512)).astype(np.float32) * rng.uniform(0.01, 1, (24, 32)).repeat(16, axis=1)
+    blocks = quantize_q6_k(w)
+    expected = gguf.quants.dequantize(blocks, T.Q6_K)
+    assert np.abs(expected - w).max() <= np.abs(w).max() / 40  # a real quantization of w
+    record = gguf_blocks.int6_record("Q6_K", blocks)
+    assert record["codes"].dtype == torch.uint8 and record["scales"].shape == (24, 32)
+    assert (record["scales"] < 0).any()  # llama.cpp's negative factors kept as they are
+    np.testing.assert_array_equal(dequantize_record("int6", record).numpy(), expected)
+
+
+def test_methods_with_int6():
+    assert gguf_blocks.stored_method("Q6_K", int6=True) == "int6" and gguf_blocks.stored_method("Q6_K") == "int8"
+    assert gguf_blocks.stored_method("Q5_K", int6=True) == "int8"  # (only Q6_K is repacked)
+    assert gguf_blocks.linear_method(["Q6_K", "Q6_K"], int6=True) == "int6"
+    assert gguf_blocks.linear_method(["Q4_K", "Q4_K", "Q6_K"], int6=True) == "int8"  # an int6 record is the file's codes
+    assert gguf_blocks.linear_method(["Q8_0", "Q6_K"], int6=True) == "int8"
+
+
+def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
+    """A Q4_K_M-like file: Q6_K down projection and LM head as int6 records of the file's own
+    codes (with the CPU kernels below avx512_bf16), a qkv mixing Q4 and Q6_K as int8, the logits
+    those of the dequantized weights within the kernels' activation rounding."""
+    from tokenmill.layers import cpu_kernels
+    from tokenmill.layers.linear import Int6Linear
+
+    module = cpu_kernels.load("avx2")
+    if module is None:
+        pytest.skip("no avx2 CPU kernels here")
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    quantize = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: quantize_q6_k(w) if t == T.Q6_K else quantize(w, t))
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=False)
+    path = tmp_path / "q6k.gguf"
+    types = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q6_K, "attn_output.weight": T.Q4_0,
+             "ffn_gate.weight": T.Q4_1, "ffn_up.weight": T.Q4_1, "ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K}
+    write_gguf(path, "llama", random_model(config), types=types)
+    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
+    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    model = auto.engine.core.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, Int6Linear) and model.layers[0].mlp.down_proj.kernel is not None
+    assert isinstance(model.lm_head, Int6Linear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)
+    # the layer's weight is the file's: dequantized, the dense model's
+    down = model.layers[0].mlp.down_proj
+    ref = dense.engine.core.runner.model.layers[0].mlp.down_proj
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(down(x), ref(x), atol=0.05 * ref(x).abs().max().item(), rtol=0)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
+    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
+        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)

@@ -27,14 +27,15 @@ namespace py = pybind11;
 // (kind, weight, scales, bias, input_scale, group_size_or_max_rows, kernel_codes, kernel_pairs,
 // kernel_max_rows): the layer decides its own row rule, the stack follows it.
 struct Linear {
-  enum class Kind { kDense, kOneDnn, kInt8, kInt8Tiled, kInt4 };
+  enum class Kind { kDense, kOneDnn, kInt8, kInt8Tiled, kInt4, kInt6 };
   Kind kind;
-  at::Tensor weight;  // dense: [out, in]; onednn: the packed weight; int8: codes (int8_tiled: in tiles); int4: packed codes
-  at::Tensor scales;  // int8: per-channel bf16 scales; int4: [groups, out, 2] scales and zeros
+  at::Tensor weight;  // dense: [out, in]; onednn: the packed weight; int8: codes (int8_tiled: in tiles); int4: packed
+                      // codes; int6: the codes' low bits in tiles
+  at::Tensor scales;  // int8: per-channel bf16 scales; int4: [groups, out, 2] scales and zeros; int6: tile scales
   c10::optional<at::Tensor> bias, input_scale;
   int64_t param = 0;  // int4: group size; int8: the most rows for the int8 kernel
-  // The few-row kernel's weight: int4_linear's codes and pairs, int8_linear's codes, or
-  // bf16_linear's plain weight.
+  // The few-row kernel's weight: int4_linear's codes and pairs, int8_linear's codes,
+  // bf16_linear's plain weight, or (int6) int6_linear's top bits.
   c10::optional<at::Tensor> kernel_codes, kernel_pairs;
   int64_t kernel_max_rows = 0;  // the most rows for them (0: none; layers/linear.py kernel_rows)
 
@@ -53,6 +54,8 @@ struct Linear {
       l.kind = Kind::kInt8Tiled;
     } else if (kind == "int4") {
       l.kind = Kind::kInt4;
+    } else if (kind == "int6") {
+      l.kind = Kind::kInt6;
     } else {
       TORCH_CHECK(false, "unknown linear kind ", kind);
     }
@@ -86,6 +89,8 @@ struct Linear {
     at::Tensor y;
     if (kind == Kind::kInt8Tiled) {
       y = int8_tiled_linear(xs.contiguous(), weight, scales);
+    } else if (kind == Kind::kInt6) {
+      y = int6_linear(xs.contiguous(), weight, *kernel_codes, scales);
     } else if (kind == Kind::kInt4 && kernel_codes && rows <= kernel_max_rows) {
       y = int4_linear(xs.contiguous(), *kernel_codes, *kernel_pairs, param);
     } else if (kind == Kind::kInt4) {

@@ -509,6 +509,30 @@ at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const
   return y.to(x.scalar_type());
 }
 
+// x [M, K] fp32 or bf16 contiguous, any M >= 1; a 6-bit weight in tiles of 8 output channels
+// (layers/linear.py _tiled_int6_layout): low [N/8, K/8, 32] and high [N/8, K/16, 32] uint8, scales
+// [N/8, K/16, 8] bf16 (groups of 16), K a multiple of 32. Every level from AVX2 up runs the AVX2 kernel (x in
+// int8 per block of 32, cpu_gemv_avx2.cpp). Returns y [M, N] in x's dtype.
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
+  check_matmul_args("int6_linear", x, {&low, &high, &scales}, 0);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && low.scalar_type() == at::kByte && low.dim() == 3 && low.size(1) == K / 8 &&
+                  low.size(2) == 32,
+              "low: uint8 [N/8, K/8, 32], K a multiple of 32");
+  TORCH_CHECK(high.scalar_type() == at::kByte && high.dim() == 3 && high.size(0) == low.size(0) &&
+                  high.size(1) == K / 16 && high.size(2) == 32,
+              "high: uint8 [N/8, K/16, 32]");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == low.size(0) &&
+                  scales.size(1) == K / 16 && scales.size(2) == 8,
+              "scales: bf16 [N/8, K/16, 8]");
+#if defined(TOKENMILL_AVX2)
+  const at::Tensor y = tokenmill::avx2::int6_linear(x.to(at::kFloat), low, high, scales);
+#else
+  const at::Tensor y = not_built("int6_linear");
+#endif
+  return y.to(x.scalar_type());
+}
+
 // x [M, K] bf16 contiguous, 1 <= M <= 4; weight [N, K] bf16 contiguous, K a multiple of 32; bias
 // [N] bf16 or None. Returns y [M, N] bf16: each dot product in fp32 (+ the bias), rounded once.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

@@ -58,14 +58,20 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+inline int32_t hsum_epi32(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
 // x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale), and
-// for int4 terms [M, K/32, 4]: the block's scale again, its exact fp32 sum, and 8 x scale x the
-// sum of its codes (int4_tile's centring term), side by side so that a row's per-block values
-// are one stream. The arrays live in a buffer of the calling thread, reused by its next matmul
+// for int4 terms [M, K/32, 8]: the block's scale again, its exact fp32 sum, 8 x scale x the sum of
+// its codes (int4_tile's centring term) and 32 x scale x the sums of its two halves' codes
+// (int6_tile's), side by side so that a row's per-block values are one stream. The arrays live in a buffer of the calling thread, reused by its next matmul
 // (prefill quantizes ~1M values a matmul: fresh pages each call would cost more than the
 // quantizing), and many rows are quantized in parallel.
 struct QuantizedRows {
-  static constexpr int64_t kTerms = 4;  // floats per block in terms (the fourth unused)
+  static constexpr int64_t kTerms = 8;  // floats per block in terms (the last three unused)
   int64_t blocks = 0;
   int8_t* q = nullptr;
   float* d = nullptr;
@@ -102,15 +108,14 @@ struct QuantizedRows {
     const __m256 inv = _mm256_set1_ps(max > 0.f ? 127.f / max : 0.f);
     __m256i c[4];
     for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
-    const __m256i c32 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
-    const __m128i c8 = _mm_add_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1));
-    const __m128i c4 = _mm_add_epi32(c8, _mm_shuffle_epi32(c8, 0x4E));
-    const int32_t code_sum = _mm_cvtsi128_si32(_mm_add_epi32(c4, _mm_shuffle_epi32(c4, 0xB1)));
+    const int32_t first = hsum_epi32(_mm256_add_epi32(c[0], c[1])), second = hsum_epi32(_mm256_add_epi32(c[2], c[3]));
     float* t = terms + b * kTerms;
     t[0] = d[b];
     t[1] = hsum(sum);
-    t[2] = static_cast<float>(8 * code_sum) * d[b];
-    t[3] = 0.f;
+    t[2] = static_cast<float>(8 * (first + second)) * d[b];
+    t[3] = static_cast<float>(32 * first) * d[b];
+    t[4] = static_cast<float>(32 * second) * d[b];
+    t[5] = t[6] = t[7] = 0.f;
     // packs work within 128-bit lanes; the permute puts the 32 codes back in order
     const __m256i c16 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(c16, order));
@@ -296,6 +301,72 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
 }
 
+// 6-bit weights (symmetric groups of 16, w = scale (q - 32), q = 0..63) over tiles of 8 output
+// channels (Int6Linear's layout, layers/linear.py _tiled_int6_layout): low [N/8, K/8, 32], each
+// byte the low 4 bits of two codes exactly as int4's tile holds its codes; high [N/8, K/16, 32],
+// byte p of pair u the top 2 bits of the codes of low byte p in steps 2u (bits 0-3) and 2u + 1
+// (bits 4-7), each byte's two codes' bits low nibble's first; scales [N/8, K/16, 8] bf16 (a pair
+// of steps is a group). A step ORs each code's top bits in above its low 4 bits (bytes do not mix:
+// 16-bit shifts of values below 16 and masks), then vpmaddubsw as int4_tile, but pair sums up to
+// 2 x 63 x 127 leave room for adding one more: a vpmaddwd per step of 8 input channels, not per
+// block. sum (q - 32) x_code = isum - 32 csum per group, the 32 d csum from the terms. Rows r0 ..
+// r0 + R - 1, one tile.
+template <int R>
+void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const uint8_t* high, const uint16_t* scales,
+               float* y, int64_t N, int64_t n0) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i top = _mm256_set1_epi8(0x30);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t blocks = xq.blocks, K = blocks * kBlock;
+  const int8_t* xr[R];
+  const float* tr[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q + (r0 + r) * K;
+    tr[r] = xq.terms + (r0 + r) * blocks * QuantizedRows::kTerms;
+    acc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = low + b * 4 * kBlock;
+    const uint8_t* h = high + b * 2 * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(h + kPrefetchBytes / 2), _MM_HINT_T0);
+    __m256i isum[R];
+#pragma GCC unroll 1
+    for (int s = 0; s < 4; ++s) {
+      if (!(s & 1)) {
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      }
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * kBlock));
+      __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + (s >> 1) * kBlock));
+      if (s & 1) bits = _mm256_srli_epi16(bits, 4);
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_slli_epi16(bits, 4), top));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble),
+                                         _mm256_and_si256(_mm256_slli_epi16(bits, 2), top));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
+        const __m256i part = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))),
+                                              _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part, ones));
+      }
+      if (s & 1) {  // the group's end: scale (d isum - 32 d csum)
+        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (2 * b + (s >> 1)) * 8))), 16));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const float* t = tr[r] + b * QuantizedRows::kTerms;
+          const __m256 centred =
+              _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_broadcast_ss(t), _mm256_broadcast_ss(t + 3 + (s >> 1)));
+          acc[r] = _mm256_fmadd_ps(scale, centred, acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
+}
+
 // tile(R, r0, t) for every tile t of 8 output channels and every group of up to kTileRows rows
 // from r0, the tiles split over the threads: a panel of kPanelTiles tiles (L2-sized) takes every
 // row group of x before the next panel.
@@ -429,6 +500,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   float* out = y.data_ptr<float>();
   over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
     int4_tile<decltype(r)::value>(xq, r0, w + t * K * 4, p + t * groups * 16, out, N, t * 8, blocks_per_group);
+  });
+  return y;
+}
+
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = low.size(0), N = tiles * 8;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const QuantizedRows xq(x.data_ptr<float>(), M, K);
+  const uint8_t* lp = low.data_ptr<uint8_t>();
+  const uint8_t* hp = high.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
+  float* out = y.data_ptr<float>();
+  over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+    int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, sp + t * K / 2, out, N, t * 8);
   });
   return y;
 }

@@ -871,6 +871,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("codes"), pybind11::arg("scales"));
   m.def("int8_tiled_linear", &int8_tiled_linear, "weight-only int8 linear over 16-channel tiles, any number of rows "
         "(CPU, AVX-512 BF16)", pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("scales"));
+  m.def("int6_linear", &int6_linear, "weight-only 6-bit linear (symmetric groups of 16) at any number of rows "
+        "(CPU, AVX2 and up; x fp32 or bf16)", pybind11::arg("x"), pybind11::arg("low"), pybind11::arg("high"),
+        pybind11::arg("scales"));
   m.def("int8_gemm", &int8_gemm, "weight-only int8 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
   m.def("gemv_supported", &gemv_supported,

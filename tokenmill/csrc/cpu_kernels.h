@@ -29,6 +29,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales);
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales);
 // cpu_gemv.cpp: int8 weights at any number of rows (Int8Linear above its max_rows).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
@@ -51,6 +52,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
 at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales);
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales);
 }  // namespace tokenmill::avx2
 
 // cpu_sampler.cpp: one sampled token per row of fp32 logits (Gumbel-max over a counter-based hash

@@ -165,17 +165,17 @@ def _rows(tensor: Tensor, ranges: list[range]) -> Tensor:
 
 
 def _columns(tensor: Tensor, cols: range) -> Tensor:
-    """Input columns `cols` of a dense weight or a record (an int4 record's ranges must fall on its groups)."""
+    """Input columns `cols` of a dense weight or a record (an int4 or int6 record's ranges must fall on its groups)."""
     if not isinstance(tensor, dict):
         return tensor[:, cols.start : cols.stop].contiguous()
     codes = tensor["codes"]
-    if "mins" not in tensor:  # int8: one scale per row
+    if tensor["scales"].dim() == 1:  # int8: one scale per row
         return {**tensor, "codes": codes[:, cols.start : cols.stop].contiguous()}
-    k = codes.shape[1] * 2
-    group = k // tensor["scales"].shape[1]
+    per_byte = 2 if "mins" in tensor else 1  # int4: two codes a byte; int6: one
+    group = codes.shape[1] * per_byte // tensor["scales"].shape[1]
     if cols.start % group or cols.stop % group:
-        raise ConfigError("tensor_parallel_size", f"a rank's input columns {cols.start}..{cols.stop} split an int4 "
-                          f"group of {group}")
+        raise ConfigError("tensor_parallel_size", f"a rank's input columns {cols.start}..{cols.stop} split a "
+                          f"quantization group of {group}")
     g = slice(cols.start // group, cols.stop // group)
-    return {"codes": codes[:, cols.start // 2 : cols.stop // 2].contiguous(),
-            "scales": tensor["scales"][:, g].contiguous(), "mins": tensor["mins"][:, g].contiguous()}
+    return {"codes": codes[:, cols.start // per_byte : cols.stop // per_byte].contiguous(),
+            **{key: tensor[key][:, g].contiguous() for key in ("scales", "mins") if key in tensor}}

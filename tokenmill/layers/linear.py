@@ -35,7 +35,7 @@ from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
 from tokenmill.layers.cpu_isa import host_isa, onednn_bf16, onednn_int8_exact
-from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, quantize_rows_int8, unpack_int4
+from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, dequantize_int6, quantize_rows_int8, unpack_int4
 
 
 # The most rows the bf16 and int8 few-row kernels take here and in the DecoderStack at avx512_bf16.
@@ -267,6 +267,65 @@ class Int4Linear(QuantizedLinear):
         return ("int4", self.packed, self.scales_and_zeros, self.bias, self.input_scale, self.group_size, *kernel)
 
 
+class Int6Linear(QuantizedLinear):
+    """Weight-only 6-bit, symmetric groups of 16 input channels: w = scale * (code - 32), code
+    0..63 (formats.quantize_int6), 7 bits a weight with the bf16 scales. A GGUF file's Q6_K and
+    Q5_0 tensors run as it under `--quantization auto` where the compiled kernels take it
+    (`models/gguf_blocks.py`): their own codes and scales (Q6_K's sub-blocks are groups of 16), in
+    place of int8's 8 bits a weight requantized per channel.
+
+    With the kernels (AVX2 and up) and out_features a multiple of 8, in_features of 32:
+    `kernels.int6_linear` at every row count, over tiles of 8 output channels
+    (`_tiled_int6_layout`; x in int8 per block of 32, as the int4 kernel at avx2). Otherwise the
+    dequantized weight in fp32 and F.linear (correct, without the memory saving). At avx512_bf16
+    the loader keeps Q6_K in int8, whose bf16 tiles run many rows twice as fast as this kernel."""
+
+    def __init__(self, record, bias, kernels=None):
+        super().__init__(record, bias, torch.float32)
+        codes, scales = record["codes"], record["scales"]
+        self.in_features = codes.shape[1]
+        self.kernel = self.weight = None
+        if (kernels is not None and codes.device.type == "cpu" and kernels.gemv_supported()
+                and self.out_features % 8 == 0 and self.in_features % 32 == 0):
+            self.kernel = kernels
+            self.low, self.high, self.tile_scales = _tiled_int6_layout(codes, scales)
+        else:
+            self.weight = dequantize_int6(codes, scales)
+
+    def _matmul(self, x):
+        if self.kernel is not None:
+            return self.kernel.int6_linear(x.contiguous(), self.low, self.high, self.tile_scales)
+        return F.linear(x.float(), self.weight)
+
+    def cpu_decoder_spec(self):
+        if self.kernel is None:
+            return None
+        return ("int6", self.low, self.tile_scales, self.bias, self.input_scale, 0, self.high, None, ANY_ROWS)
+
+
+def _tiled_int6_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int6 record (codes uint8 [N, K] 0..63, scales [N, K/16]; N a multiple of 8) in the
+    kernel's tiles of 8 output channels (csrc/cpu_gemv_avx2.cpp int6_tile): low [N/8, K/8, 32],
+    the codes' low 4 bits as `_tiled_int4_layout` lays out int4 codes at width 8 (byte 4c + j of
+    step i: input channels 8i + j and 8i + 4 + j of channel c); high [N/8, K/16, 32], byte p of
+    pair u the top 2 bits of low byte p's two codes in step 2u (bits 0-3: the low nibble's code,
+    then the high nibble's) and in step 2u + 1 (bits 4-7), a pair of steps being a group of 16;
+    tile scales [N/8, K/16, 8] bf16."""
+    n, k = codes.shape
+    steps = k // 8
+    no_groups = torch.empty(n, 0)
+    low, _ = _tiled_int4_layout((codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4), no_groups, no_groups, 8)
+    out = torch.empty(n // 8, steps // 2, 32, dtype=torch.uint8)
+    for start in range(0, n, _PACK_ROWS):
+        part = codes[start : start + _PACK_ROWS] >> 4
+        tiles = part.shape[0] // 8
+        top = part.view(tiles, 8, steps, 2, 4)  # [tile, c, i, h, j]: input channel 8i + 4h + j of channel c
+        quads = (top[:, :, :, 0] | (top[:, :, :, 1] << 2)).permute(0, 2, 1, 3).reshape(tiles, steps, 32)
+        out[start // 8 : start // 8 + tiles] = quads[:, 0::2] | (quads[:, 1::2] << 4)
+    tile_scales = scales.reshape(n // 8, 8, -1).transpose(1, 2).to(torch.bfloat16).contiguous()
+    return low, out, tile_scales
+
+
 # Rows converted at a time when laying out int4 codes (the unpacked codes are 1-4 bytes a weight).
 _PACK_ROWS = 4096
 
@@ -391,6 +450,8 @@ def build_linear(method: str, record: dict[str, torch.Tensor], bias: torch.Tenso
         return Int4Linear(record, bias, cpu_kernels)
     if method == "int8":
         return Int8Linear(record, bias, kernels=cpu_kernels)
+    if method == "int6":  # (no user-facing method: a GGUF file's 5- and 6-bit tensors as stored)
+        return Int6Linear(record, bias, cpu_kernels)
     return LINEAR_CLASSES[method](record, bias)
 
 

@@ -14,7 +14,9 @@ Those are repacked: the codes move, s and m are computed in float32 from the fil
 factors, and nothing is rounded. The other block types map by precision (`stored_method`): more
 than 4 bits (Q5_*, Q6_K, Q8_0, IQ4_*) onto int8 per output channel, requantized from their
 dequantized values; fewer (Q2_K, Q3_K, the IQ1-3 and ternary types) onto int4 by round-to-nearest;
-float types stay dense.
+float types stay dense. Where the compiled CPU kernels run int6 (AVX2 and up), Q6_K is repacked
+into an int6 record instead, exactly: its codes q in 0..63 and, per sub-block of 16, w = (q - 32)
+* d * sc_j (the int8 factor sc_j, negative ones too), 7 bits a weight against int8's 8.
 """
 
 from __future__ import annotations
@@ -29,27 +31,39 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 BELOW_4_BITS = frozenset({"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
                           "TQ1_0", "TQ2_0", "Q1_0"})
 GROUP_SIZE = 32  # of every repacked record
+# Repacked into int6 (7 bits a weight with its scales) where the kernels run it, int8 elsewhere.
+INT6_TYPES = frozenset({"Q6_K"})
 
 # Rows repacked at a time (numpy's temporaries are a few times the chunk).
 _CHUNK_BYTES = 16 << 20
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 
 
-def stored_method(type_name: str) -> str | None:
+def stored_method(type_name: str, int6: bool = False) -> str | None:
     """The tokenmill method a tensor stored as GGUF type `type_name` runs as: None (dense) for a
-    float type, "int4" for 4 bits or fewer, "int8" for more."""
+    float type, "int4" for 4 bits or fewer, "int6" for 5 and 6 bits where the kernels run int6
+    (`int6`), else (and for 8 bits) "int8"."""
     if type_name in FLOAT_TYPES:
         return None
-    return "int4" if type_name in INT4_REPACKED or type_name in BELOW_4_BITS else "int8"
+    if type_name in INT4_REPACKED or type_name in BELOW_4_BITS:
+        return "int4"
+    return "int6" if int6 and type_name in INT6_TYPES else "int8"
 
 
-def linear_method(type_names: Iterable[str]) -> str | None:
+# From most precise to least: a linear of several tensors takes the first of its tensors' methods.
+_PRECEDENCE = ("int8", "int6", "int4")
+
+
+def linear_method(type_names: Iterable[str], int6: bool = False) -> str | None:
     """The method of a linear layer whose checkpoint tensors (q, k and v of a fused qkv_proj, say)
-    are stored as `type_names`: the most precise of theirs (dense > int8 > int4)."""
-    methods = {stored_method(t) for t in type_names}
+    are stored as `type_names`: the most precise of theirs (dense > int8 > int6 > int4), int8 for
+    int6 with another method (an int6 record is the file's codes, of every tensor)."""
+    methods = {stored_method(t, int6) for t in type_names}
     if None in methods or not methods:
         return None
-    return "int8" if "int8" in methods else "int4"
+    if "int6" in methods and len(methods) > 1:
+        return "int8"
+    return next(m for m in _PRECEDENCE if m in methods)
 
 
 def int4_record(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
@@ -71,6 +85,32 @@ def int4_record(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
         scales[start : start + step] = s.reshape(part.shape[0], -1)
         mins[start : start + step] = m.reshape(part.shape[0], -1)
     return {"codes": torch.from_numpy(codes), "scales": torch.from_numpy(scales), "mins": torch.from_numpy(mins)}
+
+
+def int6_record(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """The int6 record (codes uint8 [N, K] in 0..63, scales float32 [N, K/16]) of a Q6_K tensor
+    given as its raw blocks, uint8 [N, bytes per row] (gguf-py's Q6_K layout: 128 bytes of low
+    nibbles, 64 of top 2-bit pairs, 16 int8 factors, fp16 d per 256 weights)."""
+    if type_name not in INT6_TYPES:
+        raise ValueError(f"GGUF type {type_name} is not repacked into int6")
+    rows, row_bytes = blocks.shape
+    k = row_bytes // 210 * 256
+    codes = np.empty((rows, k), dtype=np.uint8)
+    scales = np.empty((rows, k // 16), dtype=np.float32)
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        b = np.ascontiguousarray(blocks[start : start + step]).reshape(-1, 210)
+        n = b.shape[0]
+        d = np.ascontiguousarray(b[:, 208:210]).view(np.float16).astype(np.float32)
+        sc = b[:, 192:208].view(np.int8).astype(np.float32)
+        ql = b[:, :128].reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        ql = (ql & np.uint8(0x0F)).reshape(n, -1, 32)
+        qh = b[:, 128:192].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        qh = (qh & np.uint8(0x03)).reshape(n, -1, 32)
+        part = b.shape[0] * 256 // k
+        codes[start : start + part] = (ql | (qh << np.uint8(4))).reshape(part, k)
+        scales[start : start + part] = (d * sc).reshape(part, -1)
+    return {"codes": torch.from_numpy(codes), "scales": torch.from_numpy(scales)}
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

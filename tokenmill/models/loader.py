@@ -171,8 +171,9 @@ class LoadedCheckpoint:
         """(Hugging Face name, float32 tensor in `[out, in]` layout), one tensor at a time; for
         a name in `records` (a GGUF file's quantized tensors: `stored_types`) the record of its
         method there instead (quantization/formats.py): "int4", the file's own codes (types of
-        models.gguf_blocks.INT4_REPACKED, group size 32); "int8", requantized per output channel a
-        block of rows at a time (no float32 copy of the whole tensor).
+        models.gguf_blocks.INT4_REPACKED, group size 32); "int6", the file's own codes and scales
+        (Q6_K); "int8", requantized per output channel a block of rows at a time (no float32 copy
+        of the whole tensor).
 
         Tensors are read (and dequantized) lazily, each a fresh tensor the caller owns. Names are
         exactly those of `expected_weight_shapes(self.config)`, each once; `lm_head.weight` only
@@ -507,6 +508,8 @@ def _load_gguf(path: Path) -> LoadedCheckpoint:
                 blocks = tensor.data.view(np.ndarray).reshape(-1, tensor.data.shape[-1])
                 if records[names[0]] == "int4":
                     record = gguf_blocks.int4_record(tensor.tensor_type.name, blocks)
+                elif records[names[0]] == "int6":
+                    record = gguf_blocks.int6_record(tensor.tensor_type.name, blocks)
                 else:
                     record = _int8_record(gguf, tensor.tensor_type, blocks)
                 if kind in permuted_heads:  # every part of a record is per row

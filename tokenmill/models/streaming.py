@@ -56,7 +56,11 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     if qconfig is None:
         method_of = lambda name: None  # noqa: E731
     elif qconfig.method == AUTO:
-        methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name)
+        # int6 where its kernel is the level's integer kernel (avx2/avx512); at avx512_bf16 the int8
+        # tiles' bf16 products run many rows twice as fast, so Q6_K stays int8 there
+        int6 = (device.type == "cpu" and cpu_kernels is not None and cpu_kernels.gemv_supported()
+                and not cpu_kernels.native_bf16())
+        methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name, int6)
         if qconfig.lm_head != AUTO:  # the head requantized (round-to-nearest) from the file's, or dense
             if tied and checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
                 raise ConfigError("quantization_lm_head", "the head is the file's int4 embedding, loaded as stored; "
@@ -208,16 +212,18 @@ def _file_codes_for_int4(model: nn.Module, params: dict, checkpoint: LoadedCheck
 
 
 def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],
-                    local_name) -> tuple[dict[str, str | None], set[str]]:
-    """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method; a
-    mixture of experts' router and shared-expert gate stay dense), and the linears loaded from
-    records (int8 ones, int4 ones whose every tensor is of a repacked type). local_name: a
-    checkpoint name's in this rank's model, None for another pipeline stage's layer."""
+                    local_name, int6: bool) -> tuple[dict[str, str | None], set[str]]:
+    """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method, with
+    int6 where the kernels run it; a mixture of experts' router and shared-expert gate stay dense),
+    and the linears loaded from records (int8 and int6 ones, int4 ones whose every tensor is of a
+    repacked type). local_name: a checkpoint name's in this rank's model, None for another
+    pipeline stage's layer."""
     types = _linear_types(model, params, checkpoint, linears, local_name)
-    methods = {name: None if name.endswith(ROUTER_SUFFIXES) else gguf_blocks.linear_method(t) for name, t in types.items()}
-    from_records = {name for name, t in types.items() if methods[name] == "int8" or (
+    methods = {name: None if name.endswith(ROUTER_SUFFIXES) else gguf_blocks.linear_method(t, int6)
+               for name, t in types.items()}
+    from_records = {name for name, t in types.items() if methods[name] in ("int8", "int6") or (
         methods[name] == "int4" and all(x in gguf_blocks.INT4_REPACKED for x in t))}
-    if model.config.tie_word_embeddings and methods[LM_HEAD] == "int8":
+    if model.config.tie_word_embeddings and methods[LM_HEAD] in ("int8", "int6"):
         from_records.discard(LM_HEAD)  # the embedding is read whole, dense; the head is made from it
     counts = Counter(methods[name] or "dense" for name in linears)
     _log.info("%s: linear layers as stored: %s (GGUF types %s)", checkpoint.source.name,

@@ -8,6 +8,7 @@ round-to-nearest here, AWQ / GPTQ / SmoothQuant in their modules):
 |---|---|
 | int8 | codes int8 [N, K], scales fp32 [N]: w ≈ codes * scale of its row (symmetric, per output channel) |
 | int4 | codes uint8 [N, K/2] (two 4-bit codes 0..15 per byte, even column in the low nibble), scales and mins fp32 [N, K/g]: w ≈ code * scale + min of its group of g input channels |
+| int6 | codes uint8 [N, K] (0..63), scales fp32 [N, K/16]: w ≈ (code - 32) * scale of its group of 16 input channels (symmetric; a GGUF file's Q6_K / Q5_0 tensors under quantization auto) |
 | w8a8 | as int8; activations are quantized per token (per row) at run time |
 | fp8  | codes float8_e4m3fn [N, K], scales fp32 [N]: w ≈ codes * scale of its row |
 
@@ -63,6 +64,26 @@ def layer_group_size(in_features: int, group_size: int) -> int:
     raise ValueError(f"no int4 group size <= {group_size} divides a linear layer's {in_features} input features")
 
 
+INT6_GROUP = 16  # input channels per int6 scale (Q6_K's sub-block)
+
+
+def quantize_int6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 6-bit codes per group of 16 input channels by round-to-nearest: returns (codes
+    uint8 [N, K] in 0..63, scales fp32 [N, K/16]); weight ≈ (codes - 32) * scale. The scale puts
+    the group's most negative value at -32 or its largest at 31, whichever needs the larger step,
+    so a group already on a grid of 64 levels around zero (a Q6_K sub-block's) keeps it."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // INT6_GROUP, INT6_GROUP)
+    scales = torch.maximum(-w.amin(dim=-1).clamp(max=0) / 32, w.amax(dim=-1).clamp(min=0) / 31).clamp(min=1e-12)
+    codes = (torch.round(w / scales[..., None]).clamp(-32, 31) + 32).to(torch.uint8)
+    return codes.view(n, k), scales
+
+
+def dequantize_int6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    return ((codes.view(n, -1, INT6_GROUP).float() - 32) * scales[..., None]).view(n, k)
+
+
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     groups = scales.shape[1]
@@ -103,6 +124,9 @@ def record_from_rtn(method: str, weight: torch.Tensor, group_size: int) -> dict[
     if method == "int4":
         codes, scales, mins = quantize_int4(weight, group_size)
         return {"codes": pack_int4(codes), "scales": scales, "mins": mins}
+    if method == "int6":
+        codes, scales = quantize_int6(weight)
+        return {"codes": codes, "scales": scales}
     if method == "fp8":
         codes, scales = quantize_fp8(weight)
         return {"codes": codes, "scales": scales}
@@ -114,4 +138,6 @@ def dequantize_record(method: str, record: dict[str, torch.Tensor]) -> torch.Ten
     (x * input_scale) @ this.T)."""
     if method == "int4":
         return dequantize_int4(unpack_int4(record["codes"]), record["scales"], record["mins"])
+    if method == "int6":
+        return dequantize_int6(record["codes"], record["scales"])
     return record["codes"].float() * record["scales"][:, None]
