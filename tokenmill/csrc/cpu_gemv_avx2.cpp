@@ -65,11 +65,12 @@ inline int32_t hsum_epi32(__m256i v) {
 }
 
 // x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale), and
-// for int4 terms [M, K/32, 8]: the block's scale again, its exact fp32 sum, 8 x scale x the sum of
-// its codes (int4_tile's centring term) and 32 x scale x the sums of its two halves' codes
-// (int6_tile's), side by side so that a row's per-block values are one stream. The arrays live in a buffer of the calling thread, reused by its next matmul
-// (prefill quantizes ~1M values a matmul: fresh pages each call would cost more than the
-// quantizing), and many rows are quantized in parallel.
+// for int4 and int6 terms [M, K/32, 8]: the block's scale again, its exact fp32 sum, 8 x scale x
+// the sum of its codes (int4_tile's centring term) and 32 x scale x the sums of its two halves'
+// codes (int6_tile's), side by side so that a row's per-block values are one stream. The arrays
+// live in a buffer of the calling thread, reused by its next matmul (prefill quantizes ~1M values
+// a matmul: fresh pages each call would cost more than the quantizing), and many rows are
+// quantized in parallel.
 struct QuantizedRows {
   static constexpr int64_t kTerms = 8;  // floats per block in terms (the last three unused)
   int64_t blocks = 0;
@@ -90,6 +91,11 @@ struct QuantizedRows {
       for (int64_t b = begin; b < end; ++b) quantize_block(x + b * kBlock, b);
     });
   }
+
+  // Where row m's codes, block scales and per-block terms start.
+  const int8_t* row_codes(int64_t m) const { return q + m * blocks * kBlock; }
+  const float* row_scales(int64_t m) const { return d + m * blocks; }
+  const float* row_terms(int64_t m) const { return terms + m * blocks * kTerms; }
 
  private:
   void quantize_block(const float* src, int64_t b) {
@@ -149,8 +155,8 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
   const int8_t* xr[R];
   const float* dr[R];
   for (int r = 0; r < R; ++r) {
-    xr[r] = xq.q + (r0 + r) * K;
-    dr[r] = xq.d + (r0 + r) * xq.blocks;
+    xr[r] = xq.row_codes(r0 + r);
+    dr[r] = xq.row_scales(r0 + r);
   }
   over_channels<R>(begin, end, [&](auto c_count, int64_t n) {
     constexpr int C = decltype(c_count)::value;
@@ -203,13 +209,13 @@ template <int R>
 void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const float* scale, float* y, int64_t N,
                int64_t n0) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t blocks = xq.blocks, K = blocks * kBlock;
+  const int64_t blocks = xq.blocks;
   const int8_t* xr[R];
   const float* dr[R];
   __m256 acc[R];
   for (int r = 0; r < R; ++r) {
-    xr[r] = xq.q + (r0 + r) * K;
-    dr[r] = xq.d + (r0 + r) * blocks;
+    xr[r] = xq.row_codes(r0 + r);
+    dr[r] = xq.row_scales(r0 + r);
     acc[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < blocks; ++b) {
@@ -251,13 +257,13 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256 eight = _mm256_set1_ps(8.f);
-  const int64_t blocks = xq.blocks, K = blocks * kBlock;
+  const int64_t blocks = xq.blocks;
   const int8_t* xr[R];
   const float* tr[R];
   __m256 acc[R];
   for (int r = 0; r < R; ++r) {
-    xr[r] = xq.q + (r0 + r) * K;
-    tr[r] = xq.terms + (r0 + r) * blocks * QuantizedRows::kTerms;
+    xr[r] = xq.row_codes(r0 + r);
+    tr[r] = xq.row_terms(r0 + r);
     acc[r] = _mm256_setzero_ps();
   }
   const uint16_t* group_pairs = pairs;
@@ -317,13 +323,13 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i top = _mm256_set1_epi8(0x30);
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t blocks = xq.blocks, K = blocks * kBlock;
+  const int64_t blocks = xq.blocks;
   const int8_t* xr[R];
   const float* tr[R];
   __m256 acc[R];
   for (int r = 0; r < R; ++r) {
-    xr[r] = xq.q + (r0 + r) * K;
-    tr[r] = xq.terms + (r0 + r) * blocks * QuantizedRows::kTerms;
+    xr[r] = xq.row_codes(r0 + r);
+    tr[r] = xq.row_terms(r0 + r);
     acc[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < blocks; ++b) {

@@ -36,13 +36,13 @@ INT6_TYPES = frozenset({"Q6_K"})
 
 # Rows repacked at a time (numpy's temporaries are a few times the chunk).
 _CHUNK_BYTES = 16 << 20
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
 
 
 def stored_method(type_name: str, int6: bool = False) -> str | None:
     """The tokenmill method a tensor stored as GGUF type `type_name` runs as: None (dense) for a
-    float type, "int4" for 4 bits or fewer, "int6" for 5 and 6 bits where the kernels run int6
-    (`int6`), else (and for 8 bits) "int8"."""
+    float type, "int4" for 4 bits or fewer, "int6" for Q6_K where the kernels run int6 (`int6`),
+    else "int8"."""
     if type_name in FLOAT_TYPES:
         return None
     if type_name in INT4_REPACKED or type_name in BELOW_4_BITS:
@@ -94,12 +94,12 @@ def int6_record(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
     if type_name not in INT6_TYPES:
         raise ValueError(f"GGUF type {type_name} is not repacked into int6")
     rows, row_bytes = blocks.shape
-    k = row_bytes // 210 * 256
+    k = row_bytes // _BLOCK_BYTES[type_name] * 256
     codes = np.empty((rows, k), dtype=np.uint8)
     scales = np.empty((rows, k // 16), dtype=np.float32)
     step = max(1, _CHUNK_BYTES // row_bytes)
     for start in range(0, rows, step):
-        b = np.ascontiguousarray(blocks[start : start + step]).reshape(-1, 210)
+        b = np.ascontiguousarray(blocks[start : start + step]).reshape(-1, _BLOCK_BYTES[type_name])
         n = b.shape[0]
         d = np.ascontiguousarray(b[:, 208:210]).view(np.float16).astype(np.float32)
         sc = b[:, 192:208].view(np.int8).astype(np.float32)

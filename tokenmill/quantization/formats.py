@@ -8,7 +8,7 @@ round-to-nearest here, AWQ / GPTQ / SmoothQuant in their modules):
 |---|---|
 | int8 | codes int8 [N, K], scales fp32 [N]: w ≈ codes * scale of its row (symmetric, per output channel) |
 | int4 | codes uint8 [N, K/2] (two 4-bit codes 0..15 per byte, even column in the low nibble), scales and mins fp32 [N, K/g]: w ≈ code * scale + min of its group of g input channels |
-| int6 | codes uint8 [N, K] (0..63), scales fp32 [N, K/16]: w ≈ (code - 32) * scale of its group of 16 input channels (symmetric; a GGUF file's Q6_K / Q5_0 tensors under quantization auto) |
+| int6 | codes uint8 [N, K] (0..63), scales fp32 [N, K/16]: w ≈ (code - 32) * scale of its group of 16 input channels (symmetric; a GGUF file's Q6_K tensors under quantization auto) |
 | w8a8 | as int8; activations are quantized per token (per row) at run time |
 | fp8  | codes float8_e4m3fn [N, K], scales fp32 [N]: w ≈ codes * scale of its row |
 
