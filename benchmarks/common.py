@@ -441,17 +441,18 @@ def copy_bandwidth(device: str, num_bytes: int, repeats: int = 10) -> dict:
 
 
 def tensor_bytes(model) -> dict:
-    """Bytes of the model's tensors, each storage once: all of them, and those a batch-1 decode
-    step reads in full (not an nn.Embedding table unless the LM head shares it, not rotary
-    cos/sin caches, not the many-row copy of a linear that runs a few-row kernel at 1 row:
-    DenseLinear's packed `weight` when it keeps `plain`, Int4Linear's `packed` and
-    `scales_and_zeros` when it keeps `kernel_codes`)."""
+    """Bytes of the model's tensors, each byte of memory once (views, tied weights and the one
+    buffer the runner gathers the weights into are counted by the memory each tensor spans): all
+    of them, and those a batch-1 decode step reads in full (not an nn.Embedding table unless the
+    LM head shares it, not rotary cos/sin caches, not the many-row copy of a linear that runs a
+    few-row kernel at 1 row: DenseLinear's packed `weight` when it keeps `plain`, Int4Linear's
+    `packed` and `scales_and_zeros` when it keeps `kernel_codes`)."""
     import torch
     from torch import nn
 
     from tokenmill.layers.embedding import Int4Embedding
 
-    storages: dict[object, list] = {}  # storage key -> [bytes, read in full per token]
+    spans: dict[tuple[int, int], bool] = {}  # (first byte, end) -> read in full per token
     for module_name, module in model.named_modules():
         tensors = [*module._parameters.items(), *module._buffers.items()]
         tensors += [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]
@@ -460,19 +461,33 @@ def tensor_bytes(model) -> dict:
             many_rows_only = ({"weight"} if hasattr(module, "plain") else
                               {"packed", "scales_and_zeros"} if hasattr(module, "kernel_codes") else set())
         for attr, t in tensors:
-            if t is None:
+            if t is None or t.numel() == 0:
                 continue
             try:
-                key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                first = t.data_ptr()
+                span = (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
             except (RuntimeError, NotImplementedError):  # an opaque layout without a plain storage
-                key, nbytes = id(t), t.numel() * t.element_size()
+                first, span = -id(t), t.numel() * t.element_size()
             lookup_only = (isinstance(module, (nn.Embedding, Int4Embedding)) or "rotary" in module_name
                            or attr.endswith(("cos_cache", "sin_cache")) or attr in many_rows_only)
-            entry = storages.setdefault(key, [nbytes, False])
-            entry[1] = entry[1] or not lookup_only
-    total = sum(b for b, _ in storages.values())
-    read = sum(b for b, r in storages.values() if r)
+            key = (first, first + span)
+            spans[key] = spans.get(key, False) or not lookup_only
+    total = _union_bytes(spans)
+    read = _union_bytes([k for k, r in spans.items() if r])
     return {"total_bytes": total, "read_per_token_bytes": read, "lookup_only_bytes": total - read}
+
+
+def _union_bytes(spans) -> int:
+    """The bytes that a set of [first, end) address ranges cover, overlaps once."""
+    covered, reach = 0, None
+    for first, end in sorted(spans):
+        if reach is None or first >= reach:
+            covered += end - first
+            reach = end
+        elif end > reach:
+            covered += end - reach
+            reach = end
+    return covered
 
 
 # -- engine knobs that may not exist yet ----------------------------------------------------------

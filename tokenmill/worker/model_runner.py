@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -35,6 +36,7 @@ from tokenmill.distributed.pipeline import pipeline_forward
 from tokenmill.layers.attention import BatchLayout
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, KV_STORE_DTYPES, indexable
 from tokenmill.layers.cpu_isa import native_bf16
+from tokenmill.layers.embedding import Int4Embedding
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.models import build_model
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
@@ -45,6 +47,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.structured.bitmask import allocate_bitmask
 from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
+from tokenmill.worker.cpu import gather_weights
 from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from tokenmill.worker.memory import GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
 
@@ -153,6 +156,9 @@ class ModelRunner:
         self.draft_model = None
         if config.speculative_method == "draft":
             self.draft_model = self._load_draft(config, checkpoint, max_model_len)
+        if self.device.type == "cpu":  # each model's weights back to back, in the order a step reads them
+            gathered = sum(gather_weights(m, skip=(nn.Embedding, Int4Embedding)) for m in self.models)
+            logger.info("CPU: %.1f MiB of weights gathered into one buffer", gathered / 2**20)
         self.load_seconds = time.perf_counter() - t0
         # Decode-only steps run the decoder layers in one compiled call where every linear has a
         # compiled form (models/llama.py: enable_cpu_decoder).
