@@ -1,7 +1,7 @@
 // Helpers shared by the CPU kernel files (cpu_kernels.cpp, cpu_gemv.cpp, cpu_prefill.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <initializer_list>

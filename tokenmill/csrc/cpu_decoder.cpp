@@ -13,6 +13,7 @@
 #include "cpu_kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
 
 #include <string>
 #include <string_view>

@@ -23,6 +23,8 @@
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
+#include <torch/extension.h>  // the Python bindings (the other kernel files need only ATen)
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -842,6 +844,9 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   });
   return out;
 }
+
+// Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
+void bind_decoder_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary embedding of q and k + paged KV cache store (CPU)",

@@ -1,7 +1,7 @@
 // The entry points of cpu_kernels.cpp that cpu_decoder.cpp calls (argument contracts there).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <tuple>
 #include <vector>
@@ -59,6 +59,3 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
 // of each row's key; min_p 0 = off).
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperature, const at::Tensor& min_p,
                        const at::Tensor& keys);
-
-// Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
-void bind_decoder_stack(pybind11::module& m);
