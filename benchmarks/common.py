@@ -447,21 +447,20 @@ def tensor_bytes(model) -> dict:
     LM head shares it, not rotary cos/sin caches, not the many-row copy of a linear that runs a
     few-row kernel at 1 row: DenseLinear's packed `weight` when it keeps `plain`, Int4Linear's
     `packed` and `scales_and_zeros` when it keeps `kernel_codes`)."""
-    import torch
     from torch import nn
 
     from tokenmill.layers.embedding import Int4Embedding
+    from tokenmill.worker.cpu import held_tensors
 
     spans: dict[tuple[int, int], bool] = {}  # (first byte, end) -> read in full per token
     for module_name, module in model.named_modules():
-        tensors = [*module._parameters.items(), *module._buffers.items()]
-        tensors += [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]
+        tensors = list(held_tensors(module))
         many_rows_only = set()
         if getattr(module, "kernel", None) is not None:
             many_rows_only = ({"weight"} if hasattr(module, "plain") else
                               {"packed", "scales_and_zeros"} if hasattr(module, "kernel_codes") else set())
         for attr, t in tensors:
-            if t is None or t.numel() == 0:
+            if t.numel() == 0:
                 continue
             try:
                 first = t.data_ptr()
