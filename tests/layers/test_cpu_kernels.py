@@ -441,6 +441,49 @@ def test_int4_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):
     torch.testing.assert_close(got, x @ (codes * 0.5 - 1.0).t(), atol=1e-3, rtol=1e-5)  # +-832
 
 
+def random_q4_k_record(out_features: int, in_features: int, g: torch.Generator):
+    """Random int4 codes and the record a GGUF Q4_K tensor gives (models/gguf_blocks.py): its
+    factors, and the scales and mins they make (exact in fp32), per input channel."""
+    from tokenmill.quantization.formats import pack_int4
+
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
+    factors = torch.randint(0, 64, (out_features, in_features // 32, 2), generator=g).to(torch.uint8)
+    supers = in_features // 256
+    super_factors = torch.stack([torch.rand(out_features, supers, generator=g) * 1e-3 + 1e-4,
+                                 -torch.rand(out_features, supers, generator=g) * 2e-3], dim=-1).half()
+    scales, mins = (super_factors[..., i].float().repeat_interleave(8, 1) * factors[..., i] for i in (0, 1))
+    record = {"codes": pack_int4(codes), "scales": scales, "mins": mins, "factors": factors,
+              "super_factors": super_factors}
+    return codes, record, scales.repeat_interleave(32, 1), mins.repeat_interleave(32, 1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 64])
+def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
+    """At width 8 (avx2, avx512) a Q4_K record runs on its factors (d sc, m mn: 4.625 bits a
+    weight) in place of bf16 scales and mins: the products of the exact fp32 scales, where the
+    bf16 pairs' are off by their rounding. At avx512_bf16 (tiles of 16) the pairs stay."""
+    from tokenmill.layers.linear import Int4Linear
+
+    g = torch.Generator().manual_seed(rows)
+    codes, record, scales, mins = random_q4_k_record(48, 768, g)
+    layer = Int4Linear(record, None, level)
+    pairs = Int4Linear({k: record[k] for k in ("codes", "scales", "mins")}, None, level)
+    x = activations(level, rows, 768, g)
+    if level.native_bf16():
+        assert layer.kernel_pairs.dtype == torch.bfloat16 and torch.equal(layer(x), pairs(x))
+        return
+    assert layer.kernel_pairs.dtype == torch.uint8 and layer.kernel_pairs.shape == (6, 3, 160)
+    # bits a weight beside its 4-bit code: 0.625 (the bf16 pairs: 1)
+    assert layer.kernel_pairs.numel() * 8 / (48 * 768) == 0.625 and pairs.kernel_pairs.numel() * 16 / (48 * 768) == 1
+    got = level.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, 32)
+    assert torch.equal(layer(x), got)
+    expected = (int8_blocks(x).double() @ ((codes - 8) * scales).double().t()
+                + x.double() @ (mins + 8 * scales).double().t())
+    exact_error = (got.double() - expected).abs().max().item()
+    rounded_error = (pairs(x).double() - expected).abs().max().item()
+    assert exact_error < 1e-5 * expected.abs().max().item() and exact_error < rounded_error / 10, (exact_error, rounded_error)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 13, 64, 260])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (48, 1536), (8, 32)])
 def test_int6_linear_matches_the_dequantized_weight(level, rows, out_features, in_features):
@@ -464,6 +507,33 @@ def test_int6_linear_matches_the_dequantized_weight(level, rows, out_features, i
     torch.testing.assert_close(got.float(), int8_blocks(x.float()) @ bf16_weight.t(), atol=1e-2, rtol=2**-7)
     assert torch.equal(layer(x), got)
     torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=6e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int6_linear_reads_a_q6_k_records_own_factors(level, rows):
+    """A Q6_K record (gguf_blocks.int6_record) runs on its factors (d per 256, int8 sc per 16,
+    negative ones too: 6.5625 bits a weight) in place of bf16 scales: the products of the exact
+    fp32 scales, where the bf16 scales' are off by their rounding."""
+    from tokenmill.layers.linear import Int6Linear
+
+    g = torch.Generator().manual_seed(rows)
+    out_features, in_features = 40, 512
+    codes = torch.randint(0, 64, (out_features, in_features), generator=g).to(torch.uint8)
+    factors = torch.randint(-128, 128, (out_features, in_features // 16), generator=g).to(torch.int8)
+    super_factors = (torch.rand(out_features, in_features // 256, generator=g) * 1e-4 + 1e-5).half()
+    scales = super_factors.float().repeat_interleave(16, 1) * factors
+    record = {"codes": codes, "scales": scales, "factors": factors, "super_factors": super_factors}
+    layer = Int6Linear(record, None, level)
+    plain = Int6Linear({"codes": codes, "scales": scales}, None, level)
+    assert layer.tile_scales.dtype == torch.uint8 and layer.tile_scales.shape == (5, 2, 144)
+    assert layer.tile_scales.numel() * 8 / (out_features * in_features) == 0.5625  # bits beside the 6 of a code
+    x = torch.randn(rows, in_features, generator=g)  # fp32 at every level: no bf16 rounding of y
+    got = layer(x)
+    weight = (codes.double() - 32) * scales.double().repeat_interleave(16, 1)
+    expected = int8_blocks(x.float()).double() @ weight.t()
+    exact_error = (got.double() - expected).abs().max().item()
+    rounded_error = (plain(x).double() - expected).abs().max().item()
+    assert exact_error < 1e-5 * expected.abs().max().item() and exact_error < rounded_error / 10, (exact_error, rounded_error)
 
 
 def test_int6_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):

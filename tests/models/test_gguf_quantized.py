@@ -41,6 +41,15 @@ def test_int4_record_is_the_files_weights_exactly(type_name):
     expected = gguf.quants.dequantize(blocks, T[type_name])
     # Q4_0's d * (q - 8) is computed as q * d - 8 d: one rounding more
     np.testing.assert_allclose(dequantize_record("int4", record).numpy(), expected, rtol=0, atol=1e-6)
+    if type_name == "Q4_K":  # its factors too, which make the scales and mins exactly
+        factors, super_factors = record["factors"], record["super_factors"]
+        assert factors.dtype == torch.uint8 and factors.shape == (70, 16, 2) and factors.max() < 64
+        assert super_factors.dtype == torch.float16 and super_factors.shape == (70, 2, 2)
+        for i, key in enumerate(("scales", "mins")):
+            made = super_factors[..., i].float().repeat_interleave(8, 1) * factors[..., i]
+            assert torch.equal(made, record[key]), key
+    else:
+        assert "factors" not in record and "super_factors" not in record
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
@@ -190,6 +199,9 @@ def test_int6_record_is_the_files_q6_k_weights_exactly():
     assert record["codes"].dtype == torch.uint8 and record["scales"].shape == (24, 32)
     assert (record["scales"] < 0).any()  # llama.cpp's negative factors kept as they are
     np.testing.assert_array_equal(dequantize_record("int6", record).numpy(), expected)
+    factors, super_factors = record["factors"], record["super_factors"]
+    assert factors.dtype == torch.int8 and factors.shape == (24, 32) and super_factors.shape == (24, 2)
+    assert torch.equal(super_factors.float().repeat_interleave(16, 1) * factors, record["scales"])
 
 
 def test_methods_with_int6():
@@ -230,6 +242,75 @@ def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
     x = torch.randn(3, 256)
     torch.testing.assert_close(down(x), ref(x), atol=0.05 * ref(x).abs().max().item(), rtol=0)
     gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
+    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
+        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Q4_K blocks [N, K/256 x 144] of w [N, K] in gguf-py's layout (gguf-py has no Q4_K
+    quantizer): per sub-block of 32 its range over 15 and its minimum (at most 0) as 6-bit factors
+    of the super-block's d and dmin, the codes rounded onto the grid they make."""
+    n, _ = w.shape
+    sub = w.reshape(-1, 8, 32).astype(np.float32)  # [super-block, sub-block, weight]
+    low, high = np.minimum(sub.min(axis=2), 0), sub.max(axis=2)
+    d = (((high - low) / 15).max(axis=1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-low.min(axis=1, keepdims=True) / 63).astype(np.float16)
+    d, dmin = np.where(d == 0, np.float16(1), d), np.where(dmin == 0, np.float16(1), dmin)
+    sc = np.clip(np.rint((high - low) / 15 / d.astype(np.float32)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / dmin.astype(np.float32)), 0, 63).astype(np.uint8)
+    step, floor = d.astype(np.float32) * sc, -dmin.astype(np.float32) * mn
+    q = np.clip(np.rint((sub - floor[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+    factors = np.concatenate([(sc[:, :4] & 63) | (sc[:, 4:] >> 4 << 6), (mn[:, :4] & 63) | (mn[:, 4:] >> 4 << 6),
+                              (sc[:, 4:] & 15) | (mn[:, 4:] << 4)], axis=1)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # 32 bytes: sub-block 2j low, 2j + 1 high
+    return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), factors, qs], axis=1).reshape(n, -1)
+
+
+def test_q4_k_quantizer_is_gguf_pys_layout():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((16, 512)).astype(np.float32) * rng.uniform(0.01, 1, (16, 16)).repeat(32, axis=1)
+    blocks = quantize_q4_k(w)
+    assert blocks.shape == (16, 2 * 144)
+    assert np.abs(gguf.quants.dequantize(blocks, T.Q4_K) - w).max() <= np.abs(w).max() / 12
+
+
+def test_q4_k_and_q6_k_run_on_their_own_factors(tmp_path, monkeypatch):
+    """At avx2 a Q4_K_M-like file's Q4_K linears run on the file's factors (the kernels'
+    super-block tables), its Q6_K ones too; a fused qkv of Q4_K and Q4_0 parts keeps bf16 pairs
+    (the factors are not in every part); the logits are the dequantized weights' within the
+    kernels' activation rounding."""
+    from tokenmill.layers import cpu_kernels
+    from tokenmill.layers.linear import Int6Linear
+
+    if cpu_kernels.load("avx2") is None:
+        pytest.skip("no avx2 CPU kernels here")
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    quantize = gguf.quants.quantize
+    by_type = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: by_type[t](w) if t in by_type else quantize(w, t))
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 512}), tie_word_embeddings=False)
+    path = tmp_path / "q4k.gguf"
+    types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q4_K, "attn_output.weight": T.Q4_K,
+             "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K, "ffn_down.weight": T.Q6_K, "output.weight": T.Q4_K}
+    write_gguf(path, "llama", random_model(config), permute_qk=True, types=types)
+    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
+    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    model = auto.engine.core.runner.model
+    layer = model.layers[0]
+    for linear in (layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+        assert isinstance(linear, Int4Linear) and linear.kernel_pairs.dtype == torch.uint8
+    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.kernel is None  # 260 outputs: no tiles of 8
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.kernel_pairs.dtype == torch.bfloat16
+    assert isinstance(layer.mlp.down_proj, Int6Linear) and layer.mlp.down_proj.tile_scales.dtype == torch.uint8
+    # each layer is the file's weight: the dense model's, dequantized
+    ref_layer = dense.engine.core.runner.model.layers[0]
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        ours, ref = layer.get_submodule(name), ref_layer.get_submodule(name)
+        x = torch.randn(3, ref.in_features)
+        torch.testing.assert_close(ours(x), ref(x), atol=0.03 * ref(x).abs().max().item(), rtol=0)
+    gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
     for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):

@@ -419,7 +419,8 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
 // int4_linear's weight in the level's tiles of `width` output channels (layers/linear.py
 // _tiled_int4_layout): AVX-512 BF16 width 16 (the layout above), AVX2 width 8
 // (cpu_gemv_avx2.cpp); packed [N/width, K width/64, 32] uint8, pairs [N/width, K/group_size,
-// 2 width] bf16. Returns N.
+// 2 width] bf16, or at width 8 a Q4_K tensor's super-blocks (_tiled_int4_super_blocks: uint8
+// [N/8, K/256, 160], group_size 32). Returns N.
 int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
@@ -427,6 +428,12 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K * width / 64 &&
                   packed.size(2) == 32,
               "packed: uint8 [N/", width, ", K/", 64 / width, ", 32]");
+  if (pairs.scalar_type() == at::kByte) {
+    TORCH_CHECK(width == 8 && group_size == 32 && K % 256 == 0 && pairs.dim() == 3 &&
+                    pairs.size(0) == packed.size(0) && pairs.size(1) == K / 256 && pairs.size(2) == 160,
+                "super-blocks: uint8 [N/8, K/256, 160] at width 8 (AVX2 and AVX-512 without BF16), group_size 32");
+    return packed.size(0) * width;
+  }
   TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
                   pairs.size(1) == K / group_size && pairs.size(2) == 2 * width,
               "pairs: bf16 [N/", width, ", K/group_size, ", 2 * width, "]");
@@ -511,7 +518,8 @@ at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const
 
 // x [M, K] fp32 or bf16 contiguous, any M >= 1; a 6-bit weight in tiles of 8 output channels
 // (layers/linear.py _tiled_int6_layout): low [N/8, K/8, 32] and high [N/8, K/16, 32] uint8, scales
-// [N/8, K/16, 8] bf16 (groups of 16), K a multiple of 32. Every level from AVX2 up runs the AVX2 kernel (x in
+// [N/8, K/16, 8] bf16 (groups of 16) or a Q6_K tensor's super-blocks (_tiled_int6_super_blocks:
+// uint8 [N/8, K/256, 144]), K a multiple of 32. Every level from AVX2 up runs the AVX2 kernel (x in
 // int8 per block of 32, cpu_gemv_avx2.cpp). Returns y [M, N] in x's dtype.
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
   check_matmul_args("int6_linear", x, {&low, &high, &scales}, 0);
@@ -522,9 +530,15 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
   TORCH_CHECK(high.scalar_type() == at::kByte && high.dim() == 3 && high.size(0) == low.size(0) &&
                   high.size(1) == K / 16 && high.size(2) == 32,
               "high: uint8 [N/8, K/16, 32]");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == low.size(0) &&
-                  scales.size(1) == K / 16 && scales.size(2) == 8,
-              "scales: bf16 [N/8, K/16, 8]");
+  if (scales.scalar_type() == at::kByte) {
+    TORCH_CHECK(K % 256 == 0 && scales.dim() == 3 && scales.size(0) == low.size(0) && scales.size(1) == K / 256 &&
+                    scales.size(2) == 144,
+                "super-blocks: uint8 [N/8, K/256, 144], K a multiple of 256");
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == low.size(0) &&
+                    scales.size(1) == K / 16 && scales.size(2) == 8,
+                "scales: bf16 [N/8, K/16, 8]");
+  }
 #if defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int6_linear(x.to(at::kFloat), low, high, scales);
 #else

@@ -246,20 +246,92 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
 // int4 over tiles of 8 output channels (Int4Linear's layout at this level, layers/linear.py
 // _tiled_int4_layout, width 8): codes [N/8, K/8, 32], byte 4c + j of step t = q(c, 8t + j) |
 // q(c, 8t + 4 + j) << 4, so one 32-byte load gives the 8 channels' codes for 4 input channels
-// (low nibbles) and the next 4 (high), each channel's 4 codes in its own 32-bit lane; pairs
-// [N/8, groups, 16] bf16, the tile's 8 scales then its 8 mins. x's 4 codes are broadcast to
-// every lane, vpmaddubsw multiplies them with the 8 channels' codes, and the int16 sums of a whole
-// block of 32 stay in one register (|sum| <= 8 x 2 x 15 x 127 = 30480): one vpmaddwd per block
-// and row, not per 32 products. So many rows run near two vpmaddubsw a cycle, where fp32 FMAs
-// do a quarter of the products (prefill and batched decode are compute-bound), and few rows
-// read the tiles as one stream (decode is memory-bound). Rows r0 .. r0 + R - 1, one tile.
+// (low nibbles) and the next 4 (high), each channel's 4 codes in its own 32-bit lane. x's 4 codes
+// are broadcast to every lane, vpmaddubsw multiplies them with the 8 channels' codes, and the
+// int16 sums of a whole block of 32 stay in one register (|sum| <= 8 x 2 x 15 x 127 = 30480):
+// one vpmaddwd per block and row, not per 32 products. So many rows run near two vpmaddubsw a
+// cycle, where fp32 FMAs do a quarter of the products (prefill and batched decode are
+// compute-bound), and few rows read the tiles as one stream (decode is memory-bound).
+// The block's scales and mins, 8 channels each, come from one of two tables (int4_tile):
+// - Pairs: bf16 [N/8, groups, 16], the tile's 8 scales then its 8 mins (5 bits a weight at
+//   groups of 32);
+// - SuperBlocks: a GGUF Q4_K tensor's own factors, uint8 [N/8, K/256, 160] per tile and
+//   super-block of 256 input channels: 8 fp16 d then 8 fp16 m (the negated dmin), then per block
+//   of 32 the 8 channels' 8-bit scale factors then their min factors; scale = d sc, min = m mn,
+//   exactly as the file has them, at 4.625 bits a weight (the file: 4.5, its factors in 6 bits).
+
+// Adds block b's products of rows r0 .. r0 + R - 1 with the tile's codes w (the block's 128
+// bytes) into part[r], as int16 sums.
 template <int R>
-void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const uint16_t* pairs, float* y, int64_t N,
-               int64_t n0, int64_t blocks_per_group) {
+inline void int4_block_sums(const int8_t* const* xr, int64_t b, const uint8_t* w, __m256i* part) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
+  for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+  // (not unrolled: unrolled, the compiler hoists every product and spills them)
+#pragma GCC unroll 1
+  for (int s = 0; s < 4; ++s) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * kBlock));
+    const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      // x's 4 codes to every lane: a broadcast load (vbroadcastss), no trip through a scalar register
+      const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
+      part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))));
+      part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
+    }
+  }
+}
+
+// The factors of a tile's blocks in order, one block a call of next(scale, min).
+// The bf16 (scale, min) table: one group's 8 scales and 8 mins a 32-byte load.
+struct Pairs {
+  const uint16_t* p;
+  int64_t blocks_per_group, in_group = 0;
+  void next(__m256& scale, __m256& min) {
+    const __m256i pr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if (++in_group == blocks_per_group) {
+      in_group = 0;
+      p += 16;
+    }
+    scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(pr)), 16));
+    min = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(pr, 1)), 16));
+  }
+};
+
+// Q4_K's factors (see above): the super-block's d and m widened from fp16 (F16C) at its first
+// block, each block's 8-bit factors converted and multiplied by them.
+struct SuperBlocks {
+  static constexpr int64_t kBlocks = 8;  // blocks of 32 per super-block of 256
+  static constexpr int64_t kBytes = 32 + kBlocks * 16;  // a tile's super-block: d, m, then the factors
+  const uint8_t* p;
+  int64_t block = 0;
+  __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+  void next(__m256& scale, __m256& min) {
+    if (block == 0) {
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    }
+    const uint8_t* f = p + 32 + block * 16;
+    scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f)))));
+    min = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f + 8)))));
+    if (++block == kBlocks) {
+      block = 0;
+      p += kBytes;
+    }
+  }
+};
+
+// With z = min + 8 scale, w = (q - 8) scale + z, and sum (q - 8) x_code = isum_b - 8 csum_b
+// exactly (csum_b: the block's sum of x codes), so y = sum_blocks scale_g d_b (isum_b - 8
+// csum_b) + sum_blocks z_g * sum(x of block b), the products 8 d_b csum_b made once per block and
+// row when x is quantized (QuantizedRows). Rows r0 .. r0 + R - 1, one tile; Factors: Pairs or
+// SuperBlocks.
+template <int R, typename Factors>
+void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factors factors, float* y, int64_t N,
+               int64_t n0) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256 eight = _mm256_set1_ps(8.f);
-  const int64_t blocks = xq.blocks;
   const int8_t* xr[R];
   const float* tr[R];
   __m256 acc[R];
@@ -268,33 +340,11 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
     tr[r] = xq.row_terms(r0 + r);
     acc[r] = _mm256_setzero_ps();
   }
-  const uint16_t* group_pairs = pairs;
-  for (int64_t b = 0, in_group = 0; b < blocks; ++b) {
-    const uint8_t* w = codes + b * 4 * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
+  for (int64_t b = 0; b < xq.blocks; ++b) {
     __m256i part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
-    // (not unrolled: unrolled, the compiler hoists every product and spills them)
-#pragma GCC unroll 1
-    for (int s = 0; s < 4; ++s) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * kBlock));
-      const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        // x's 4 codes to every lane: a broadcast load (vbroadcastss), no trip through a scalar register
-        const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
-        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))));
-        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
-      }
-    }
-    const __m256i pr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_pairs));
-    if (++in_group == blocks_per_group) {
-      in_group = 0;
-      group_pairs += 16;
-    }
-    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(pr)), 16));
-    const __m256 min = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(pr, 1)), 16));
+    int4_block_sums<R>(xr, b, codes + b * 4 * kBlock, part);
+    __m256 scale, min;
+    factors.next(scale, min);
     const __m256 zero_point = _mm256_fmadd_ps(eight, scale, min);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -318,9 +368,11 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, const 
 // 16-bit shifts of values below 16 and masks), then vpmaddubsw as int4_tile, but pair sums up to
 // 2 x 63 x 127 leave room for adding one more: a vpmaddwd per step of 8 input channels, not per
 // block. sum (q - 32) x_code = isum - 32 csum per group, the 32 d csum from the terms. Rows r0 ..
-// r0 + R - 1, one tile.
-template <int R>
-void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const uint8_t* high, const uint16_t* scales,
+// r0 + R - 1, one tile. The groups' scales come from one of two tables, one group a call of
+// next(): GroupScales, bf16 [N/8, K/16, 8] (7 bits a weight), or Q6_K's own factors,
+// Int6SuperBlocks.
+template <int R, typename Scales>
+void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const uint8_t* high, Scales scales,
                float* y, int64_t N, int64_t n0) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i top = _mm256_set1_epi8(0x30);
@@ -360,8 +412,7 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part, ones));
       }
       if (s & 1) {  // the group's end: scale (d isum - 32 d csum)
-        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (2 * b + (s >> 1)) * 8))), 16));
+        const __m256 scale = scales.next();
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const float* t = tr[r] + b * QuantizedRows::kTerms;
@@ -374,6 +425,36 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
 }
+
+// int6_tile's bf16 scales, a group's 8 a 16-byte load.
+struct GroupScales {
+  const uint16_t* p;
+  __m256 next() {
+    const __m256i s16 = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    p += 8;
+    return _mm256_castsi256_ps(_mm256_slli_epi32(s16, 16));
+  }
+};
+
+// A GGUF Q6_K tensor's factors, uint8 [N/8, K/256, 144] per tile and super-block of 256 input
+// channels: the 8 channels' fp16 d, then per group of 16 their int8 factors sc; scale = d sc,
+// exactly the file's, at 6.5625 bits a weight.
+struct Int6SuperBlocks {
+  static constexpr int64_t kGroups = 16;  // groups of 16 per super-block of 256
+  static constexpr int64_t kBytes = 16 + kGroups * 8;
+  const uint8_t* p;
+  int64_t group = 0;
+  __m256 d = _mm256_setzero_ps();
+  __m256 next() {
+    if (group == 0) d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m128i f = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 + group * 8));
+    if (++group == kGroups) {
+      group = 0;
+      p += kBytes;
+    }
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(f)));
+  }
+};
 
 // tile(R, r0, t) for every tile t of 8 output channels and every group of up to kTileRows rows
 // from r0, over the threads: a panel of kPanelTiles tiles (L2-sized) takes every row group of x
@@ -551,11 +632,19 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor y = at::empty({M, N}, x.options());
   const QuantizedRows xq(x.data_ptr<float>(), M, K);
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  if (pairs.scalar_type() == at::kByte) {  // SuperBlocks
+    const uint8_t* p = pairs.data_ptr<uint8_t>();
+    const int64_t tile_bytes = K / 256 * SuperBlocks::kBytes;
+    over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+      int4_tile<decltype(r)::value>(xq, r0, w + t * K * 4, SuperBlocks{p + t * tile_bytes}, out, N, t * 8);
+    });
+    return y;
+  }
   const auto* p = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
   const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
-  float* out = y.data_ptr<float>();
   over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
-    int4_tile<decltype(r)::value>(xq, r0, w + t * K * 4, p + t * groups * 16, out, N, t * 8, blocks_per_group);
+    int4_tile<decltype(r)::value>(xq, r0, w + t * K * 4, Pairs{p + t * groups * 16, blocks_per_group}, out, N, t * 8);
   });
   return y;
 }
@@ -566,10 +655,19 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
   const QuantizedRows xq(x.data_ptr<float>(), M, K);
   const uint8_t* lp = low.data_ptr<uint8_t>();
   const uint8_t* hp = high.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
   float* out = y.data_ptr<float>();
+  if (scales.scalar_type() == at::kByte) {  // Int6SuperBlocks
+    const uint8_t* sp = scales.data_ptr<uint8_t>();
+    const int64_t tile_bytes = K / 256 * Int6SuperBlocks::kBytes;
+    over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+      int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, Int6SuperBlocks{sp + t * tile_bytes}, out,
+                                    N, t * 8);
+    });
+    return y;
+  }
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
   over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
-    int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, sp + t * K / 2, out, N, t * 8);
+    int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, GroupScales{sp + t * K / 2}, out, N, t * 8);
   });
   return y;
 }

@@ -13,7 +13,8 @@ final norm and the LM head are on every stage: the last stage's hidden states ar
 every rank computes the same logits and samples the same tokens (models/llama.py, worker/).
 
 A checkpoint tensor arrives whole, dense or as a quantized record ({"codes", "scales"[, "mins"]},
-quantization/formats.py: per output row, int4 codes two to a byte in groups along the input):
+quantization/formats.py: per output row, int4 codes two to a byte in groups along the input; a
+Q4_K tensor's also its "factors" per group and "super_factors" per 256 inputs, models/gguf_blocks.py):
 `local_name` renames it into this rank's model and `local_part` keeps the rows or columns the
 rank holds.
 """
@@ -177,5 +178,10 @@ def _columns(tensor: Tensor, cols: range) -> Tensor:
         raise ConfigError("tensor_parallel_size", f"a rank's input columns {cols.start}..{cols.stop} split a "
                           f"quantization group of {group}")
     g = slice(cols.start // group, cols.stop // group)
-    return {"codes": codes[:, cols.start // per_byte : cols.stop // per_byte].contiguous(),
-            **{key: tensor[key][:, g].contiguous() for key in ("scales", "mins") if key in tensor}}
+    part = {"codes": codes[:, cols.start // per_byte : cols.stop // per_byte].contiguous(),
+            **{key: tensor[key][:, g].contiguous() for key in ("scales", "mins", "factors") if key in tensor}}
+    if "super_factors" in tensor and not (cols.start % 256 or cols.stop % 256):  # Q4_K's, per 256 columns
+        part["super_factors"] = tensor["super_factors"][:, cols.start // 256 : cols.stop // 256].contiguous()
+    else:  # a rank's share that splits a super-block keeps the scales and mins alone
+        part.pop("factors", None)
+    return part

@@ -204,7 +204,9 @@ class Int4Linear(QuantizedLinear):
     made. At avx512_bf16: tiles of 16 output channels for vdpbf16ps (`_tiled_int4_layout`; over
     the default model's 120 matrices on 2 cores 1.16x the kernel it replaced at 1 row, 1.2-1.5x
     from 4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows). At avx2/avx512: tiles
-    of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`).
+    of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`); a GGUF
+    Q4_K tensor's record brings its own factors, which the kernel reads there in place of bf16
+    scales and mins (`_tiled_int4_super_blocks`: 4.625 bits a weight against 5, and exact).
 
     On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
     shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
@@ -239,6 +241,9 @@ class Int4Linear(QuantizedLinear):
             self.kernel = kernels
             self.kernel_codes, self.kernel_pairs = _tiled_int4_layout(record["codes"], scales, mins,
                                                                       _tile_width(kernels))
+            if "super_factors" in record and _tile_width(kernels) == 8 and self.group_size == 32 \
+                    and self.in_features % 256 == 0:
+                self.kernel_pairs = _tiled_int4_super_blocks(record["factors"], record["super_factors"])
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
         else:
@@ -276,7 +281,9 @@ class Int6Linear(QuantizedLinear):
 
     With the kernels (AVX2 and up) and out_features a multiple of 8, in_features of 32:
     `kernels.int6_linear` at every row count, over tiles of 8 output channels
-    (`_tiled_int6_layout`; x in int8 per block of 32, as the int4 kernel at avx2). Otherwise the
+    (`_tiled_int6_layout`; x in int8 per block of 32, as the int4 kernel at avx2); a Q6_K
+    record's own factors in place of the bf16 scales where in_features are a multiple of 256
+    (`_tiled_int6_super_blocks`: 6.5625 bits a weight). Otherwise the
     dequantized weight in fp32 and F.linear (correct, without the memory saving). At avx512_bf16
     the loader keeps Q6_K in int8, whose bf16 tiles run many rows twice as fast as this kernel."""
 
@@ -289,6 +296,8 @@ class Int6Linear(QuantizedLinear):
                 and self.out_features % 8 == 0 and self.in_features % 32 == 0):
             self.kernel = kernels
             self.low, self.high, self.tile_scales = _tiled_int6_layout(codes, scales)
+            if "super_factors" in record and self.in_features % 256 == 0:
+                self.tile_scales = _tiled_int6_super_blocks(record["factors"], record["super_factors"])
         else:
             self.weight = dequantize_int6(codes, scales)
 
@@ -326,6 +335,20 @@ def _tiled_int6_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch
     return low, out, tile_scales
 
 
+def _tiled_int6_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
+    """A Q6_K record's factors (int8 [N, K/16]: each group's sc; float16 [N, K/256]: each
+    super-block's d, scale = d sc; models/gguf_blocks.py) in the int6 kernel's table in place of
+    the bf16 tile scales (csrc/cpu_gemv_avx2.cpp Int6SuperBlocks): uint8 [N/8, K/256, 144], per
+    tile of 8 output channels and super-block the 8 channels' d (fp16), then per group of 16
+    their 8 factors."""
+    n, groups = factors.shape
+    supers = groups // 16
+    heads = super_factors.to(torch.float16).reshape(n // 8, 8, supers).transpose(1, 2).contiguous()
+    per_group = factors.view(torch.uint8).reshape(n // 8, 8, supers, 16).permute(0, 2, 3, 1)  # [tile, super, group, c]
+    return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 16),
+                      per_group.reshape(n // 8, supers, 128)], dim=2).contiguous()
+
+
 # Rows converted at a time when laying out int4 codes (the unpacked codes are 1-4 bytes a weight).
 _PACK_ROWS = 4096
 
@@ -355,6 +378,20 @@ def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Te
     groups = scales.shape[1]
     per_tile = torch.cat([scales.reshape(n // width, width, groups), mins.reshape(n // width, width, groups)], dim=1)
     return out, per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
+
+
+def _tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
+    """A Q4_K record's factors (uint8 [N, K/32, 2]: each group's scale and min factor; float16
+    [N, K/256, 2]: each super-block's d and m, scale = d sc, min = m mn; models/gguf_blocks.py) in
+    the AVX2 int4 kernel's table (csrc/cpu_gemv_avx2.cpp SuperBlocks), in place of the bf16 pairs:
+    uint8 [N/8, K/256, 160], per tile of 8 output channels and super-block its 8 d (fp16), its 8
+    m, then per group of 32 the 8 channels' scale factors and their 8 min factors."""
+    n, groups = factors.shape[:2]
+    supers = groups // 8
+    per_group = factors.reshape(n // 8, 8, supers, 8, 2).permute(0, 2, 3, 4, 1)  # [tile, super, group, kind, c]
+    heads = super_factors.to(torch.float16).reshape(n // 8, 8, supers, 2).permute(0, 2, 3, 1).contiguous()
+    return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 32),
+                      per_group.reshape(n // 8, supers, 128)], dim=2).contiguous()
 
 
 def _tile_width(kernels) -> int:

@@ -255,9 +255,12 @@ def _place_record(model: nn.Module, params: dict, records: dict, name: str,
         records[linear] = record
     else:
         whole = records.setdefault(linear, {key: torch.empty((n, *v.shape[1:]), dtype=v.dtype) for key, v in record.items()})
+        # Keys not in every part (a Q4_K part's factors beside a Q4_0 part) leave the whole record.
+        for key in [key for key in whole if key not in record]:
+            del whole[key]
         start = target.storage_offset() // k
-        for key, v in record.items():
-            whole[key][start : start + v.shape[0]] = v
+        for key in whole:
+            whole[key][start : start + record[key].shape[0]] = record[key]
     return ours, shard
 
 

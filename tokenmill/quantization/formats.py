@@ -12,6 +12,12 @@ round-to-nearest here, AWQ / GPTQ / SmoothQuant in their modules):
 | w8a8 | as int8; activations are quantized per token (per row) at run time |
 | fp8  | codes float8_e4m3fn [N, K], scales fp32 [N]: w ≈ codes * scale of its row |
 
+A GGUF file's Q4_K and Q6_K tensors bring their two-level factors as well (models/gguf_blocks.py),
+which the AVX2 kernels read in place of the scales (fewer bytes a weight): an int4 record
+`factors` uint8 [N, K/32, 2] and `super_factors` fp16 [N, K/256, 2] (scale = d sc, min = m mn);
+an int6 record `factors` int8 [N, K/16] and `super_factors` fp16 [N, K/256] (scale = d sc). The
+scales (and mins) beside them are exactly what they make.
+
 Any record may carry `input_scale` fp32 [K]: the layer computes with x * input_scale (AWQ's
 and SmoothQuant's per-input-channel scaling, whose inverse is folded into the weight).
 """
