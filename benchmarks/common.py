@@ -449,7 +449,7 @@ def tensor_bytes(model) -> dict:
     `packed` and `scales_and_zeros` when it keeps `kernel_codes`)."""
     from torch import nn
 
-    from tokenmill.layers.embedding import Int4Embedding
+    from tokenmill.layers.embedding import QuantizedEmbedding
     from tokenmill.worker.cpu import held_tensors
 
     spans: dict[tuple[int, int], bool] = {}  # (first byte, end) -> read in full per token
@@ -467,7 +467,7 @@ def tensor_bytes(model) -> dict:
                 span = (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
             except (RuntimeError, NotImplementedError):  # an opaque layout without a plain storage
                 first, span = -id(t), t.numel() * t.element_size()
-            lookup_only = (isinstance(module, (nn.Embedding, Int4Embedding)) or "rotary" in module_name
+            lookup_only = (isinstance(module, (nn.Embedding, QuantizedEmbedding)) or "rotary" in module_name
                            or attr.endswith(("cos_cache", "sin_cache")) or attr in many_rows_only)
             key = (first, first + span)
             spans[key] = spans.get(key, False) or not lookup_only

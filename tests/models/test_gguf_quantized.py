@@ -10,7 +10,7 @@ import torch
 
 from tests.models.test_families_gguf import COMMON, random_model, write_gguf
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.embedding import Int4Embedding
+from tokenmill.layers.embedding import QuantizedEmbedding
 from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
 from tokenmill.models import gguf_blocks
 from tokenmill.models.loader import load_checkpoint
@@ -116,7 +116,7 @@ def test_mixed_gguf_runs_as_stored(tmp_path, tied):
     assert isinstance(layer.mlp.down_proj, Int4Linear)
     assert isinstance(model.lm_head, Int4Linear)
     # a Q4_1 embedding stays int4 (its rows dequantized per lookup); a Q8_0 one is dense
-    assert isinstance(model.embed_tokens, Int4Embedding) == tied
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) == tied
     ids = torch.tensor([[3, 250], [0, 7]])
     torch.testing.assert_close(model.embed_tokens(ids), dense.engine.core.runner.model.embed_tokens(ids), rtol=0, atol=1e-6)
     assert all(isinstance(m, DenseLinear) for m in dense.engine.core.runner.model.modules()
@@ -311,6 +311,38 @@ def test_q4_k_and_q6_k_run_on_their_own_factors(tmp_path, monkeypatch):
         x = torch.randn(3, ref.in_features)
         torch.testing.assert_close(ours(x), ref(x), atol=0.03 * ref(x).abs().max().item(), rtol=0)
     gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
+    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
+        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+
+
+def test_a_tied_q6_k_embedding_stays_int6_and_is_the_heads_record(tmp_path, monkeypatch):
+    """A tied Q6_K token embedding where the kernels run int6 (avx2): the head is an int6 layer of
+    the file's own codes, and the embedding stays int6 (its rows dequantized per lookup, the
+    file's values exactly) instead of a dense copy."""
+    from tokenmill.layers import cpu_kernels
+    from tokenmill.layers.embedding import QuantizedEmbedding
+    from tokenmill.layers.linear import Int6Linear
+
+    if cpu_kernels.load("avx2") is None:
+        pytest.skip("no avx2 CPU kernels here")
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    quantize = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: quantize_q6_k(w) if t == T.Q6_K else quantize(w, t))
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=True)
+    path = tmp_path / "tied_q6k.gguf"
+    write_gguf(path, "llama", random_model(config), types={"token_embd.weight": T.Q6_K})
+    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
+    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    model, ref = auto.engine.core.runner.model, dense.engine.core.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.method == "int6"
+    assert isinstance(model.lm_head, Int6Linear)
+    ids = torch.tensor([[3, 250], [0, 7]])
+    torch.testing.assert_close(model.embed_tokens(ids), ref.embed_tokens(ids), rtol=0, atol=0)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(model.lm_head(x), ref.lm_head(x), atol=0.03 * ref.lm_head(x).abs().max().item(), rtol=0)
+    gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
     for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):

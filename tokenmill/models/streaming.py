@@ -11,7 +11,9 @@ float32 copy of the whole model.
 
 With quantization "auto" a GGUF file's Q4_0 / Q4_1 / Q4_K tensors arrive as int4 records of the
 file's own codes (models/gguf_blocks.py) and are staged as such, row range by row range for a
-fused layer; such a token embedding stays int4 (layers/embedding.py: Int4Embedding).
+fused layer; such a token embedding stays int4 (layers/embedding.py: QuantizedEmbedding). A tied
+Q6_K embedding, where the kernels run int6, arrives as an int6 record: the head runs on the file's
+own codes and factors, and the embedding stays int6 too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.embedding import Int4Embedding
+from tokenmill.layers.embedding import QuantizedEmbedding
 from tokenmill.layers.linear import DenseLinear, build_linear
 from tokenmill.models import gguf_blocks
 from tokenmill.models.loader import LoadedCheckpoint, expected_weight_shapes
@@ -78,7 +80,7 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         in_fp32 = owner.get(name) in quantized - from_records or (tied and name == embedding and LM_HEAD in quantized - from_records)
         staging.declare(name, p, torch.float32 if in_fp32 else dtype)
     # The record of each linear in from_records, filled shard by shard; "embed_tokens": the embedding's, when it
-    # stays int4 (Int4Embedding: stored as a repacked type, loaded as stored).
+    # stays quantized (QuantizedEmbedding: an int4 record of a repacked type, or a tied head's int6 one).
     records: dict[str, dict[str, torch.Tensor]] = {}
     record_methods = {ckpt: method_of(linear) for ckpt in checkpoint.stored_types
                       if (local := local_name(ckpt.removeprefix("model."))) is not None
@@ -87,6 +89,8 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     if qconfig is not None and qconfig.method == AUTO and \
             checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
         record_methods[f"model.{embedding}"] = "int4"
+    elif tied and LM_HEAD in from_records and method_of(LM_HEAD) == "int6":
+        record_methods[f"model.{embedding}"] = "int6"
     expected = {name: model._expected_shards(name, p) for name, p in params.items()}
     loaded: dict[str, set] = {}
     pending = {name: [f"{name}.weight"] + ([f"{name}.bias"] if linears[name].bias is not None else [])
@@ -165,7 +169,9 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     if missing:
         raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' …' if len(missing) > 8 else ''}")
     if "embed_tokens" in records:
-        model.embed_tokens = Int4Embedding({k: v.to(device) for k, v in records.pop("embed_tokens").items()}, dtype)
+        record = records.pop("embed_tokens")
+        model.embed_tokens = QuantizedEmbedding({k: v.to(device) for k, v in record.items()},
+                                                "int4" if "mins" in record else "int6", dtype)
     # Every other parameter: its staging, in the compute dtype, on the device.
     name_of = {id(p): n for n, p in reversed(params.items())}  # (a tied one by its first name)
     for module in model.modules():
@@ -216,14 +222,14 @@ def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint
     """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method, with
     int6 where the kernels run it; a mixture of experts' router and shared-expert gate stay dense),
     and the linears loaded from records (int8 and int6 ones, int4 ones whose every tensor is of a
-    repacked type). local_name: a checkpoint name's in this rank's model, None for another
+    repacked type; a tied head from the embedding's record where that is int4 or int6). local_name: a checkpoint name's in this rank's model, None for another
     pipeline stage's layer."""
     types = _linear_types(model, params, checkpoint, linears, local_name)
     methods = {name: None if name.endswith(ROUTER_SUFFIXES) else gguf_blocks.linear_method(t, int6)
                for name, t in types.items()}
     from_records = {name for name, t in types.items() if methods[name] in ("int8", "int6") or (
         methods[name] == "int4" and all(x in gguf_blocks.INT4_REPACKED for x in t))}
-    if model.config.tie_word_embeddings and methods[LM_HEAD] in ("int8", "int6"):
+    if model.config.tie_word_embeddings and methods[LM_HEAD] == "int8":
         from_records.discard(LM_HEAD)  # the embedding is read whole, dense; the head is made from it
     counts = Counter(methods[name] or "dense" for name in linears)
     _log.info("%s: linear layers as stored: %s (GGUF types %s)", checkpoint.source.name,

@@ -36,7 +36,7 @@ from tokenmill.distributed.pipeline import pipeline_forward
 from tokenmill.layers.attention import BatchLayout
 from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, KV_STORE_DTYPES, indexable
 from tokenmill.layers.cpu_isa import native_bf16
-from tokenmill.layers.embedding import Int4Embedding
+from tokenmill.layers.embedding import QuantizedEmbedding
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.models import build_model
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
@@ -157,7 +157,7 @@ class ModelRunner:
         if config.speculative_method == "draft":
             self.draft_model = self._load_draft(config, checkpoint, max_model_len)
         if self.device.type == "cpu":  # each model's weights back to back, in the order a step reads them
-            gathered = sum(gather_weights(m, skip=(nn.Embedding, Int4Embedding)) for m in self.models)
+            gathered = sum(gather_weights(m, skip=(nn.Embedding, QuantizedEmbedding)) for m in self.models)
             logger.info("CPU: %.1f MiB of weights gathered into one buffer", gathered / 2**20)
         self.load_seconds = time.perf_counter() - t0
         # Decode-only steps run the decoder layers in one compiled call where every linear has a
