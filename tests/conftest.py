@@ -53,6 +53,18 @@ def default_checkpoint(default_model_path: Path) -> LoadedCheckpoint:
 
 
 @pytest.fixture(scope="session")
+def hf_model(default_model_path):
+    """The default model in transformers, fp32, on the CPU: the oracle of the logprob and parity
+    tests (read from the GGUF once per session: dequantizing it takes seconds). Shared: do not
+    mutate it (copy it to move or cast it)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint) -> Path:
     """A complete Hugging Face directory of a tiny random Qwen2 (2 layers, hidden 64, untied
     head, non-zero q/k/v biases) with the default model's tokenizer. generation_config.json

@@ -47,9 +47,15 @@ def _max_logit_diff(a: dict, b: dict, reduce=torch.amax) -> float:
     return max(float(reduce((a[c] - b[c]).abs())) for c in shared)
 
 
-def test_default_model_split_two_ways_matches_one_process():
+@pytest.fixture(scope="module")
+def dense_one_process():
+    """The default model in fp32 in one process: the reference of both of its splits' tests."""
+    return _greedy(MODEL, quantization="none")
+
+
+def test_default_model_split_two_ways_matches_one_process(dense_one_process):
     """fp32: the same greedy tokens, logits within FP32_ATOL (the all-reduce adds partial sums in another order)."""
-    one, one_logits = _greedy(MODEL, quantization="none")
+    one, one_logits = dense_one_process
     for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
                   {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}):  # (a TP group per stage)
         tokens, logits = _greedy(MODEL, quantization="none", **split)
@@ -57,13 +63,13 @@ def test_default_model_split_two_ways_matches_one_process():
         assert _max_logit_diff(logits, one_logits) < FP32_ATOL, split
 
 
-def test_default_model_int4_as_stored_splits_its_rows_and_groups():
+def test_default_model_int4_as_stored_splits_its_rows_and_groups(dense_one_process):
     """The GGUF file's int4 codes, cut by rows (q/k/v, gate/up, vocabulary) and by groups of
     input columns (o, down). The kernels multiply int4 weights by bf16 activations on some CPUs,
     so the split's sums round apart by more than fp32 would (near ties may part the greedy
     tokens): the split int4 model must be about as close to the dense fp32 model as the whole
     int4 model is (a code or scale cut in the wrong place would put it far off)."""
-    _, dense = _greedy(MODEL, quantization="none")
+    _, dense = dense_one_process
     _, one = _greedy(MODEL)
     _, split = _greedy(MODEL, tensor_parallel_size=2)
     whole_error = _max_logit_diff(one, dense, torch.mean)

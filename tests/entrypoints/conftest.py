@@ -1,4 +1,4 @@
-"""Fixtures of the server tests (the shared `server` itself is in tests/conftest.py)."""
+"""Fixtures of the server tests (the shared `server` and the `hf_model` oracle are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,6 @@ def hf_tokenizer(default_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
-
-
-@pytest.fixture(scope="session")
-def hf_model(default_model_path):
-    """The default model in transformers, fp32: the oracle for logprobs."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
-                                                 dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -122,21 +122,24 @@ def test_bf16_steps_with_prefill_chunks(bf16_runner, seq_lens, prefill):
     assert_stack_matches_python(bf16_runner, seq_lens, prefill)
 
 
-@pytest.mark.parametrize("options,seq_lens", [
-    ({"quantization": "int4"}, [5, 40, 33]),  # int4_linear (one kernel for every row count)
-    ({"quantization": "int4"}, list(range(1, 31))),
-    ({"quantization": "int8"}, [3, 70]),  # the int8 few-row kernel
-    ({"quantization": "int8"}, [3, 70, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),  # bf16: PyTorch's, then int8_gemm; else int8_gemm
-    ({"quantization": "int8"}, list(range(1, 41))),  # int8_gemm
-    ({"kv_cache_dtype": "int8", "quantization": "none"}, [9, 130]),
-])
-def test_quantized_linears_and_kv_cache(options, seq_lens):
+# Each engine (one per option set: loading and quantizing the model is most of the time) runs
+# every step listed for it, then a step with prefill chunks (many rows: the gemm kernels; bf16
+# or fp32 prefill kernel).
+@pytest.mark.parametrize("options,steps", [
+    ({"quantization": "int4"}, [[5, 40, 33],  # int4_linear (one kernel for every row count)
+                                list(range(1, 31))]),
+    ({"quantization": "int8"}, [[3, 70],  # the int8 few-row kernel
+                                [3, 70, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],  # bf16: PyTorch's, then int8_gemm; else int8_gemm
+                                list(range(1, 41))]),  # int8_gemm
+    ({"kv_cache_dtype": "int8", "quantization": "none"}, [[9, 130]]),
+], ids=["int4", "int8", "int8_kv_cache"])
+def test_quantized_linears_and_kv_cache(options, steps):
     """In the host's dtype: bf16 kernels with native bf16, else the int8-activation (few rows) and
     fp32 panel (many rows) kernels."""
     runner = cpu_llm("smollm2-135m", dtype=DTYPE, **options).engine.core.runner
-    assert_stack_matches_python(runner, seq_lens)
-    if len(seq_lens) <= 3:  # and a step with prefill chunks (many rows: the gemm kernels; bf16 or fp32 prefill kernel)
-        assert_stack_matches_python(runner, *PREFILL_STEPS[1])
+    for seq_lens in steps:
+        assert_stack_matches_python(runner, seq_lens)
+    assert_stack_matches_python(runner, *PREFILL_STEPS[1])
 
 
 def test_qwen2_biases_fp32_and_int4_input_scales(tiny_qwen2_dir):

@@ -4,7 +4,8 @@ fp32: 8 prompts (5-300 tokens) submitted together, decoded as one in-flight batc
 32-token step budget (so prompts are prefilled in chunks while others decode) must give
 token-identical greedy output to HF for 64 new tokens each, and last-prompt-position logits
 within FP32_LOGITS_ATOL of HF's. bf16: logits within BF16_LOGITS_ATOL, and the share of
-identical greedy tokens is reported. Perplexity on GPL-3 within 0.5% of HF's.
+identical greedy tokens is reported. Perplexity on GPL-3's first PPL_WINDOWS windows (chunked
+prefill with prompt logprobs, all windows in one batch) within 0.5% of HF's.
 
 Both engines run on the device tokenmill picks by default (a CUDA GPU when there is one, where
 these tests are the GPU parity check); logits are compared on the CPU. Qwen2.5-Coder-1.5B, on
@@ -24,13 +25,14 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
-from tokenmill.eval.perplexity import perplexity, perplexity_windows
+from tokenmill.eval.perplexity import gpl3_token_ids, perplexity, perplexity_windows
 
 pytestmark = pytest.mark.slow
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 PROMPT_LENGTHS = [5, 17, 33, 64, 100, 150, 230, 300]
 NUM_NEW_TOKENS = 64
+PPL_WINDOWS = 4  # of 512 tokens: every window is scored alike, a few compare the engines as well as 14
 FP32_LOGITS_ATOL = 1e-3  # max |logit difference| over the whole vocab, fp32 (measured: ~4e-5)
 BF16_LOGITS_ATOL = 1.5  # max |logit difference|, bf16 (logits ~20 have a bf16 spacing of 0.125)
 BF16_ERROR_RATIO = 1.5
@@ -38,13 +40,10 @@ DEVICE = EngineConfig().resolved_device()  # where LLM(...) runs by default: the
 
 
 @pytest.fixture(scope="module")
-def hf_fp32(default_model_path):
-    transformers = pytest.importorskip("transformers")
+def hf_fp32(hf_model):
+    """The session's HF fp32 model (tests/conftest.py), on DEVICE (a copy when that is not the CPU)."""
     pytest.importorskip("accelerate")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    )
-    return model.to(DEVICE).eval()
+    return hf_model if DEVICE == "cpu" else copy.deepcopy(hf_model).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +159,11 @@ def hf_perplexity(model, token_ids: list[int], window: int) -> float:
 
 
 def test_perplexity_on_gpl3_matches_hf(hf_fp32, llm_fp32):
-    token_ids = llm_fp32.tokenizer.encode(GPL3.read_text())
+    token_ids = gpl3_token_ids(llm_fp32.tokenizer, window=512, max_windows=PPL_WINDOWS, path=GPL3)
+    assert len(perplexity_windows(token_ids, 512)) == PPL_WINDOWS
     ours = perplexity(llm_fp32, token_ids, window=512)
     ref = hf_perplexity(hf_fp32, token_ids, window=512)
-    print(f"\nGPL-3 perplexity (512-token windows, second half scored): tokenmill {ours:.4f}, HF {ref:.4f}")
+    print(f"\nGPL-3 perplexity ({PPL_WINDOWS} 512-token windows, second half scored): tokenmill {ours:.4f}, HF {ref:.4f}")
     assert abs(ours - ref) / ref < 0.005
 
 

@@ -1,6 +1,6 @@
-"""A soak in the suite (scripts/soak.py, 90 seconds): one real server under mixed streaming and
+"""A soak in the suite (scripts/soak.py, 45 seconds): one real server under mixed streaming and
 non-streaming load that keeps its small KV cache near 90% in use (requests preempted and swapped),
-5% of clients hanging up part-way, greedy golden prompts among the load. It passes when no
+10% of clients hanging up part-way, greedy golden prompts among the load. It passes when no
 request got a 5xx, an error event or no answer, the golden outputs never changed, the server's
 RSS grew under 5% after the warm-up, every KV block came back once idle and /metrics accounts
 for every request. `python scripts/soak.py` runs the same for an hour and plots it.
@@ -15,7 +15,10 @@ import pytest
 from tests.scripts import load_script
 from tests.serving import MODEL, ServerProcess
 
-DURATION, WARMUP = 90.0, 30.0
+# 45 s of load: RSS growth is measured from the end of a 15 s warm-up, a golden round starts 4 s
+# after the last one ended (at least 4 in the run), and twice the script's default 5% of clients
+# hang up, so that the ~100 requests still hold several hang-ups.
+DURATION, WARMUP, GOLDEN_INTERVAL, DISCONNECT_RATE = 45.0, 15.0, 4.0, 0.1
 soak = load_script("soak")
 
 
@@ -24,7 +27,8 @@ def test_short_soak_keeps_every_promise(default_model_path, tmp_path):
     server = ServerProcess(MODEL, *soak.SERVER_FLAGS, log_path=tmp_path / "server.log").wait_ready()
     try:
         summary = soak.soak(server.url, duration=DURATION, warmup=WARMUP, server_pid=server.proc.pid, seed=1,
-                            golden_interval=15.0, sample_interval=1.0, request_timeout=90.0)
+                            golden_interval=GOLDEN_INTERVAL, disconnect_rate=DISCONNECT_RATE, sample_interval=1.0,
+                            request_timeout=90.0)
         alive = server.proc.poll() is None
     finally:
         returncode = server.stop()
@@ -39,7 +43,7 @@ def test_short_soak_keeps_every_promise(default_model_path, tmp_path):
     assert summary["kv"]["mean_usage"] > 0.6 and summary["kv"]["preemptions"] > 0, report
     assert summary["metrics"]["client_hung_up"] > 0 and summary["metrics"]["finished"]["abort"] > 0, report
     streamed = [r for r in summary["timeline"] if r["ttft_p50_s"] is not None]
-    assert summary["by_outcome"]["completed"] > 100 and streamed, report
+    assert summary["by_outcome"]["completed"] > 50 and streamed, report
     output = tmp_path / "soak.json"
     output.write_text(json.dumps(summary))
     soak.plot(summary, output.with_suffix(".png"))
