@@ -210,14 +210,21 @@ def test_methods_with_int6():
     assert gguf_blocks.linear_method(["Q6_K", "Q6_K"], int6=True) == "int6"
     assert gguf_blocks.linear_method(["Q4_K", "Q4_K", "Q6_K"], int6=True) == "int8"  # an int6 record is the file's codes
     assert gguf_blocks.linear_method(["Q8_0", "Q6_K"], int6=True) == "int8"
+    # ... unless each part runs as stored, side by side (a StackedLinear)
+    assert gguf_blocks.stacked_methods(["Q4_K", "Q4_K", "Q6_K"], int6=True) == ["int4", "int4", "int6"]
+    assert gguf_blocks.stacked_methods(["Q4_K", "Q4_K", "Q6_K"]) is None  # no int6 kernel: int8
+    assert gguf_blocks.stacked_methods(["Q4_K", "Q8_0", "Q6_K"], int6=True) is None
+    assert gguf_blocks.stacked_methods(["Q3_K", "Q6_K"], int6=True) is None  # Q3_K's int4 is rounded, not exact
+    assert gguf_blocks.stacked_methods(["Q4_K", "Q4_K"], int6=True) is None
 
 
 def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
     """A Q4_K_M-like file: Q6_K down projection and LM head as int6 records of the file's own
-    codes (with the CPU kernels below avx512_bf16), a qkv mixing Q4 and Q6_K as int8, the logits
+    codes (with the CPU kernels below avx512_bf16), a qkv mixing Q4 and Q6_K as an int4 and an
+    int6 layer side by side, the logits
     those of the dequantized weights within the kernels' activation rounding."""
     from tokenmill.layers import cpu_kernels
-    from tokenmill.layers.linear import Int6Linear
+    from tokenmill.layers.linear import Int6Linear, StackedLinear
 
     module = cpu_kernels.load("avx2")
     if module is None:
@@ -235,7 +242,8 @@ def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
     model = auto.engine.core.runner.model
     assert isinstance(model.layers[0].mlp.down_proj, Int6Linear) and model.layers[0].mlp.down_proj.kernel is not None
     assert isinstance(model.lm_head, Int6Linear)
-    assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)
+    qkv = model.layers[0].self_attn.qkv_proj  # Q4_0 q, k and Q6_K v: each part as stored
+    assert isinstance(qkv, StackedLinear) and [type(p) for p in qkv.parts] == [Int4Linear, Int6Linear]
     # the layer's weight is the file's: dequantized, the dense model's
     down = model.layers[0].mlp.down_proj
     ref = dense.engine.core.runner.model.layers[0].mlp.down_proj
@@ -343,6 +351,44 @@ def test_a_tied_q6_k_embedding_stays_int6_and_is_the_heads_record(tmp_path, monk
     x = torch.randn(3, 256)
     torch.testing.assert_close(model.lm_head(x), ref.lm_head(x), atol=0.03 * ref.lm_head(x).abs().max().item(), rtol=0)
     gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
+    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
+        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+
+
+def test_a_fused_qkv_of_q4_k_and_q6_k_runs_each_part_as_stored(tmp_path, monkeypatch):
+    """A Q4_K_M file's qkv (q, k Q4_K, v Q6_K) at avx2: a StackedLinear of an int4 layer (q and k
+    rows, on the file's factors) and an int6 one (v rows) instead of all of it in int8, in the
+    Python layers and in the compiled DecoderStack alike; the file's weights within the kernels'
+    activation rounding."""
+    from tests.models.test_cpu_decoder import assert_stack_matches_python
+    from tokenmill.layers import cpu_kernels
+    from tokenmill.layers.linear import Int6Linear, StackedLinear
+
+    if cpu_kernels.load("avx2") is None:
+        pytest.skip("no avx2 CPU kernels here")
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    quantize = gguf.quants.quantize
+    by_type = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: by_type[t](w) if t in by_type else quantize(w, t))
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=False)
+    path = tmp_path / "q4_k_m.gguf"
+    types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K}
+    write_gguf(path, "llama", random_model(config), permute_qk=True, types=types)
+    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
+    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    model = auto.engine.core.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, StackedLinear) and [type(p) for p in qkv.parts] == [Int4Linear, Int6Linear]
+    q_k_rows = (config.num_attention_heads + config.num_key_value_heads) * (256 // config.num_attention_heads)
+    assert [p.out_features for p in qkv.parts] == [q_k_rows, qkv.out_features - q_k_rows]
+    assert qkv.parts[0].kernel_pairs.dtype == torch.uint8 and qkv.parts[1].tile_scales.dtype == torch.uint8
+    ref = dense.engine.core.runner.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(qkv(x), ref(x), atol=0.03 * ref(x).abs().max().item(), rtol=0)
+    assert_stack_matches_python(auto.engine.core.runner, [5, 9])
+    gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
     for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):

@@ -26,10 +26,12 @@ namespace py = pybind11;
 
 // One linear of models/llama.py in a format of layers/linear.py, as its `cpu_decoder_spec()` gives it:
 // (kind, weight, scales, bias, input_scale, group_size_or_max_rows, kernel_codes, kernel_pairs,
-// kernel_max_rows): the layer decides its own row rule, the stack follows it.
+// kernel_max_rows): the layer decides its own row rule, the stack follows it. A StackedLinear's is
+// ("stacked", (its parts' specs), ...): each part runs on x and the outputs are concatenated.
 struct Linear {
-  enum class Kind { kDense, kOneDnn, kInt8, kInt8Tiled, kInt4, kInt6 };
+  enum class Kind { kDense, kOneDnn, kInt8, kInt8Tiled, kInt4, kInt6, kStacked };
   Kind kind;
+  std::vector<Linear> parts;  // stacked (StackedLinear): the row ranges' layers, outputs concatenated
   at::Tensor weight;  // dense: [out, in]; onednn: the packed weight; int8: codes (int8_tiled: in tiles); int4: packed
                       // codes; int6: the codes' low bits in tiles
   at::Tensor scales;  // int8: per-channel bf16 scales; int4: [groups, out, 2] scales and zeros; int6: tile scales
@@ -45,6 +47,11 @@ struct Linear {
                 "pairs, kernel_max_rows)");
     Linear l;
     const auto kind = spec[0].cast<std::string>();
+    if (kind == "stacked") {
+      l.kind = Kind::kStacked;
+      for (const auto& part : spec[1].cast<py::tuple>()) l.parts.push_back(from_spec(part.cast<py::tuple>()));
+      return l;
+    }
     if (kind == "dense") {
       l.kind = Kind::kDense;
     } else if (kind == "onednn") {
@@ -75,6 +82,12 @@ struct Linear {
     switch (kind) {
       case Kind::kDense:  // DenseLinear, F.linear
         return at::linear(x, weight, bias);
+      case Kind::kStacked: {  // StackedLinear
+        std::vector<at::Tensor> ys;
+        ys.reserve(parts.size());
+        for (const Linear& part : parts) ys.push_back(part(x));
+        return at::cat(ys, 1);
+      }
       case Kind::kOneDnn:  // DenseLinear, packed bf16
         if (kernel_codes && x.size(0) <= kernel_max_rows && x.scalar_type() == at::kBFloat16) {
           return bf16_linear(x.contiguous(), *kernel_codes, bias);

@@ -312,6 +312,29 @@ class Int6Linear(QuantizedLinear):
         return ("int6", self.low, self.tile_scales, self.bias, self.input_scale, 0, self.high, None, ANY_ROWS)
 
 
+class StackedLinear(nn.Module):
+    """Output channels in consecutive row ranges, each range a layer of its own format: y =
+    cat(part(x) for part in parts). A GGUF fused linear whose tensors are stored as different
+    types runs each part as stored (a Q4_K_M file's qkv with q, k Q4_K and v Q6_K: an int4 and an
+    int6 layer) instead of all of it requantized to int8."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def cpu_decoder_spec(self) -> tuple | None:
+        """("stacked", the parts' specs, ...): the DecoderStack runs each part and concatenates."""
+        specs = [part.cpu_decoder_spec() for part in self.parts]
+        if any(spec is None for spec in specs):
+            return None
+        return ("stacked", tuple(specs), None, None, None, 0, None, None, 0)
+
+
 def _tiled_int6_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An int6 record (codes uint8 [N, K] 0..63, scales [N, K/16]; N a multiple of 8) in the
     kernel's tiles of 8 output channels (csrc/cpu_gemv_avx2.cpp int6_tile): low [N/8, K/8, 32],

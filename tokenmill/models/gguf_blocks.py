@@ -70,6 +70,16 @@ def linear_method(type_names: Iterable[str], int6: bool = False) -> str | None:
     return next(m for m in _PRECEDENCE if m in methods)
 
 
+def stacked_methods(type_names: list[str], int6: bool = False) -> list[str] | None:
+    """Each tensor's own method where a fused linear's tensors are exact int4 and int6 records
+    side by side (a Q4_K_M file's qkv: q, k Q4_K and v Q6_K), which run as one layer per row
+    range (layers/linear.py StackedLinear) rather than all requantized to int8
+    (`linear_method`); None for any other mix."""
+    methods = [stored_method(t, int6) for t in type_names]
+    exact = all(t in INT4_REPACKED or t in INT6_TYPES for t in type_names)
+    return methods if int6 and exact and set(methods) == {"int4", "int6"} else None
+
+
 def int4_record(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
     """The int4 record (codes uint8 [N, K/2], scales and mins float32 [N, K/32]; for Q4_K also its
     factors, see above) of a Q4_0 / Q4_1 / Q4_K tensor given as its raw blocks, uint8 [N, bytes

@@ -27,13 +27,17 @@ from torch import nn
 
 from tokenmill.config import ConfigError
 from tokenmill.layers.embedding import QuantizedEmbedding
-from tokenmill.layers.linear import DenseLinear, build_linear
+from tokenmill.layers.linear import DenseLinear, StackedLinear, build_linear
 from tokenmill.models import gguf_blocks
 from tokenmill.models.loader import LoadedCheckpoint, expected_weight_shapes
 from tokenmill.quantization.formats import record_from_rtn
 from tokenmill.quantization.quantize import AUTO, LM_HEAD, ROUTER_SUFFIXES
 
 _log = logging.getLogger(__name__)
+
+# The method of a fused linear whose tensors are exact int4 and int6 records side by side
+# (gguf_blocks.stacked_methods): a StackedLinear of one layer per run of rows of one method.
+STACKED = "stacked"
 
 
 @torch.no_grad()
@@ -74,6 +78,7 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         method_of = qconfig.method_of
         from_records = _file_codes_for_int4(model, params, checkpoint, linears, local_name, qconfig)
     quantized = {name for name in linears if method_of(name) is not None}
+    stacked = {name for name in linears if method_of(name) == STACKED}
     owner = {f"{name}.{kind}": name for name in linears for kind in ("weight", "bias")}
     staging = _Staging()
     for name, p in params.items():
@@ -82,7 +87,8 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     # The record of each linear in from_records, filled shard by shard; "embed_tokens": the embedding's, when it
     # stays quantized (QuantizedEmbedding: an int4 record of a repacked type, or a tied head's int6 one).
     records: dict[str, dict[str, torch.Tensor]] = {}
-    record_methods = {ckpt: method_of(linear) for ckpt in checkpoint.stored_types
+    record_methods = {ckpt: gguf_blocks.stored_method(stored, int6=True) if linear in stacked else method_of(linear)
+                      for ckpt, stored in checkpoint.stored_types.items()
                       if (local := local_name(ckpt.removeprefix("model."))) is not None
                       and (place := model._placement(params, local))
                       and (linear := owner.get(place[0])) in from_records}
@@ -107,7 +113,9 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         bias = staging[f"{name}.bias"] if linears[name].bias is not None else None
         bias = None if bias is None else bias.to(device=device, dtype=dtype)
         method = method_of(name)
-        if name in from_records:
+        if name in stacked:
+            layer = _stacked_layer(records.pop(name), bias, device, cpu_kernels)
+        elif name in from_records:
             record = {k: v.to(device) for k, v in records.pop(name).items()}
             layer = build_linear(method, record, bias, cpu_kernels)
         elif method is not None:
@@ -154,7 +162,7 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
         if plan is not None:
             tensor = plan.local_part(name, tensor)
         if isinstance(tensor, dict):  # a record
-            placed = _place_record(model, params, records, name, tensor)
+            placed = _place_record(model, params, records, name, tensor, stacked)
         else:
             placed = place(ckpt_name, name, tensor)
         del tensor
@@ -221,13 +229,17 @@ def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint
                     local_name, int6: bool) -> tuple[dict[str, str | None], set[str]]:
     """Each linear's method as its checkpoint tensors are stored (gguf_blocks.linear_method, with
     int6 where the kernels run it; a mixture of experts' router and shared-expert gate stay dense),
-    and the linears loaded from records (int8 and int6 ones, int4 ones whose every tensor is of a
+    STACKED where a fused linear's tensors are int4 and int6 records side by side,
+    and the linears loaded from records (int8, int6 and stacked ones, int4 ones whose every tensor is of a
     repacked type; a tied head from the embedding's record where that is int4 or int6). local_name: a checkpoint name's in this rank's model, None for another
     pipeline stage's layer."""
     types = _linear_types(model, params, checkpoint, linears, local_name)
     methods = {name: None if name.endswith(ROUTER_SUFFIXES) else gguf_blocks.linear_method(t, int6)
                for name, t in types.items()}
-    from_records = {name for name, t in types.items() if methods[name] in ("int8", "int6") or (
+    for name, t in types.items():
+        if methods[name] == "int8" and gguf_blocks.stacked_methods(t, int6):
+            methods[name] = STACKED
+    from_records = {name for name, t in types.items() if methods[name] in ("int8", "int6", STACKED) or (
         methods[name] == "int4" and all(x in gguf_blocks.INT4_REPACKED for x in t))}
     if model.config.tie_word_embeddings and methods[LM_HEAD] == "int8":
         from_records.discard(LM_HEAD)  # the embedding is read whole, dense; the head is made from it
@@ -238,10 +250,10 @@ def _stored_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint
 
 
 def _place_record(model: nn.Module, params: dict, records: dict, name: str,
-                  record: dict[str, torch.Tensor]) -> tuple[str, object]:
+                  record: dict[str, torch.Tensor], stacked: set[str] = frozenset()) -> tuple[str, object]:
     """Put the record of checkpoint tensor `name` where its linear's record is assembled, row range
-    by row range (an int4 embedding's: its own, and the head's when tied); returns (our
-    parameter, its shard key)."""
+    by row range (an int4 embedding's: its own, and the head's when tied; a linear in `stacked`:
+    each range's record by its first row); returns (our parameter, its shard key)."""
     if name == "embed_tokens.weight":
         records["embed_tokens"] = record
         if model.config.tie_word_embeddings:
@@ -257,7 +269,9 @@ def _place_record(model: nn.Module, params: dict, records: dict, name: str,
     if shape != tuple(target.shape):
         raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, expected {tuple(target.shape)}")
     linear = ours.removesuffix(".weight")
-    if codes.shape[0] == n:
+    if linear in stacked:
+        records.setdefault(linear, {})[target.storage_offset() // k] = record
+    elif codes.shape[0] == n:
         records[linear] = record
     else:
         whole = records.setdefault(linear, {key: torch.empty((n, *v.shape[1:]), dtype=v.dtype) for key, v in record.items()})
@@ -268,6 +282,27 @@ def _place_record(model: nn.Module, params: dict, records: dict, name: str,
         for key in whole:
             whole[key][start : start + record[key].shape[0]] = record[key]
     return ours, shard
+
+
+def _stacked_layer(parts: dict[int, dict[str, torch.Tensor]], bias: torch.Tensor | None, device: torch.device,
+                   cpu_kernels) -> StackedLinear:
+    """A StackedLinear from its row ranges' records (first row -> record): consecutive records
+    of one method (int4: with mins; int6) joined into one layer, each with its rows of the bias."""
+    runs: list[tuple[str, list[dict[str, torch.Tensor]]]] = []
+    for start in sorted(parts):
+        method = "int4" if "mins" in parts[start] else "int6"
+        if runs and runs[-1][0] == method:
+            runs[-1][1].append(parts[start])
+        else:
+            runs.append((method, [parts[start]]))
+    layers, row = [], 0
+    for method, records in runs:
+        keys = set.intersection(*(set(r) for r in records))  # a Q4_K part's factors only beside other Q4_K parts
+        record = {key: torch.cat([r[key] for r in records]).to(device) for key in keys}
+        rows = record["codes"].shape[0]
+        layers.append(build_linear(method, record, None if bias is None else bias[row : row + rows], cpu_kernels))
+        row += rows
+    return StackedLinear(layers)
 
 
 def _rtn_by_rows(method: str, weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
