@@ -239,11 +239,12 @@ class Int4Linear(QuantizedLinear):
                 and (self.group_size == 32 or self.group_size % 64 == 0)
                 and self.out_features % _tile_width(kernels) == 0):
             self.kernel = kernels
-            self.kernel_codes, self.kernel_pairs = _tiled_int4_layout(record["codes"], scales, mins,
-                                                                      _tile_width(kernels))
-            if "super_factors" in record and _tile_width(kernels) == 8 and self.group_size == 32 \
-                    and self.in_features % 256 == 0:
+            width = _tile_width(kernels)
+            self.kernel_codes = _tiled_int4_layout(record["codes"], width)
+            if "super_factors" in record and width == 8 and self.group_size == 32 and self.in_features % 256 == 0:
                 self.kernel_pairs = _tiled_int4_super_blocks(record["factors"], record["super_factors"])
+            else:
+                self.kernel_pairs = _tiled_int4_pairs(scales, mins, width)
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
         else:
@@ -295,9 +296,11 @@ class Int6Linear(QuantizedLinear):
         if (kernels is not None and codes.device.type == "cpu" and kernels.gemv_supported()
                 and self.out_features % 8 == 0 and self.in_features % 32 == 0):
             self.kernel = kernels
-            self.low, self.high, self.tile_scales = _tiled_int6_layout(codes, scales)
+            self.low, self.high = _tiled_int6_layout(codes)
             if "super_factors" in record and self.in_features % 256 == 0:
                 self.tile_scales = _tiled_int6_super_blocks(record["factors"], record["super_factors"])
+            else:  # [N/8, K/16, 8] bf16, a tile's 8 scales per group
+                self.tile_scales = scales.reshape(self.out_features // 8, 8, -1).transpose(1, 2).to(torch.bfloat16).contiguous()
         else:
             self.weight = dequantize_int6(codes, scales)
 
@@ -335,18 +338,16 @@ class StackedLinear(nn.Module):
         return ("stacked", tuple(specs), None, None, None, 0, None, None, 0)
 
 
-def _tiled_int6_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An int6 record (codes uint8 [N, K] 0..63, scales [N, K/16]; N a multiple of 8) in the
-    kernel's tiles of 8 output channels (csrc/cpu_gemv_avx2.cpp int6_tile): low [N/8, K/8, 32],
+def _tiled_int6_layout(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int6 record's codes (uint8 [N, K] 0..63; N a multiple of 8) in the kernel's tiles of 8 output channels (csrc/cpu_gemv_avx2.cpp int6_tile): low [N/8, K/8, 32],
     the codes' low 4 bits as `_tiled_int4_layout` lays out int4 codes at width 8 (byte 4c + j of
     step i: input channels 8i + j and 8i + 4 + j of channel c); high [N/8, K/16, 32], byte p of
     pair u the top 2 bits of low byte p's two codes in step 2u (bits 0-3: the low nibble's code,
-    then the high nibble's) and in step 2u + 1 (bits 4-7), a pair of steps being a group of 16;
-    tile scales [N/8, K/16, 8] bf16."""
+    then the high nibble's) and in step 2u + 1 (bits 4-7), a pair of steps being a group of 16
+    (the groups' scales: Int6Linear's tile_scales)."""
     n, k = codes.shape
     steps = k // 8
-    no_groups = torch.empty(n, 0)
-    low, _ = _tiled_int4_layout((codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4), no_groups, no_groups, 8)
+    low = _tiled_int4_layout((codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4), 8)
     out = torch.empty(n // 8, steps // 2, 32, dtype=torch.uint8)
     for start in range(0, n, _PACK_ROWS):
         part = codes[start : start + _PACK_ROWS] >> 4
@@ -354,8 +355,7 @@ def _tiled_int6_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch
         top = part.view(tiles, 8, steps, 2, 4)  # [tile, c, i, h, j]: input channel 8i + 4h + j of channel c
         quads = (top[:, :, :, 0] | (top[:, :, :, 1] << 2)).permute(0, 2, 1, 3).reshape(tiles, steps, 32)
         out[start // 8 : start // 8 + tiles] = quads[:, 0::2] | (quads[:, 1::2] << 4)
-    tile_scales = scales.reshape(n // 8, 8, -1).transpose(1, 2).to(torch.bfloat16).contiguous()
-    return low, out, tile_scales
+    return low, out
 
 
 def _tiled_int6_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
@@ -376,13 +376,11 @@ def _tiled_int6_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor)
 _PACK_ROWS = 4096
 
 
-def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                       width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A record (codes uint8 [N, K/2], code 2i in byte i's low nibble; scales and mins [N, groups];
-    N a multiple of `width`) in a level's tiled layout: output channels in tiles of `width`, and
-    per tile and step of 2s input channels (s = 32 / width) 32 bytes, byte s c + j = code(c,
-    2s i + j) | code(c, 2s i + s + j) << 4 for channel c of the tile (j < s): codes [N/width,
-    K/2s, 32]; pairs [N/width, groups, 2 width] bf16, the tile's scales then its mins.
+def _tiled_int4_layout(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """A record's int4 codes (uint8 [N, K/2], code 2i in byte i's low nibble; N a multiple of
+    `width`) in a level's tiled layout: output channels in tiles of `width`, and per tile and
+    step of 2s input channels (s = 32 / width) 32 bytes, byte s c + j = code(c, 2s i + j) |
+    code(c, 2s i + s + j) << 4 for channel c of the tile (j < s): [N/width, K/2s, 32].
     - width 16 (avx512_bf16, csrc/cpu_gemv.cpp): s = 2, each nibble half the 16 channels' pairs
       of input channels, as vdpbf16ps takes them;
     - width 8 (avx2, csrc/cpu_gemv_avx2.cpp): s = 4, each nibble half the 8 channels' words of 4
@@ -398,9 +396,15 @@ def _tiled_int4_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Te
         nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, width, steps, 2, span)
         quads = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [tile, c, i, j]
         out[start // width : start // width + tiles] = quads.permute(0, 2, 1, 3).reshape(tiles, steps, 32)
-    groups = scales.shape[1]
+    return out
+
+
+def _tiled_int4_pairs(scales: torch.Tensor, mins: torch.Tensor, width: int) -> torch.Tensor:
+    """A record's scales and mins ([N, groups]) beside `_tiled_int4_layout`'s codes: [N/width,
+    groups, 2 width] bf16, per tile and group its `width` scales then its mins."""
+    n, groups = scales.shape
     per_tile = torch.cat([scales.reshape(n // width, width, groups), mins.reshape(n // width, width, groups)], dim=1)
-    return out, per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
+    return per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
 
 
 def _tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
