@@ -122,11 +122,16 @@ def test_mixed_gguf_runs_as_stored(tmp_path, tied):
     assert all(isinstance(m, DenseLinear) for m in dense.engine.core.runner.model.modules()
                if isinstance(m, (DenseLinear, Int4Linear, Int8Linear)))
 
-    gen = torch.Generator().manual_seed(3)
+    assert_prompt_logprobs_close(auto, dense, seed=3)
+
+
+def assert_prompt_logprobs_close(auto: LLM, dense: LLM, seed: int) -> None:
+    """Two random prompts' logprobs within 0.02 of the dense engine's: the same weights; the
+    quantized kernels round activations (bf16 or int8 per block)."""
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
     for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
-        # the same weights; the int4/int8 kernels round activations (bf16 or int8 per block)
         np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
 
 
@@ -223,22 +228,12 @@ def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
     codes (with the CPU kernels below avx512_bf16), a qkv mixing Q4 and Q6_K as an int4 and an
     int6 layer side by side, the logits
     those of the dequantized weights within the kernels' activation rounding."""
-    from tokenmill.layers import cpu_kernels
     from tokenmill.layers.linear import Int6Linear, StackedLinear
 
-    module = cpu_kernels.load("avx2")
-    if module is None:
-        pytest.skip("no avx2 CPU kernels here")
-    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
-    quantize = gguf.quants.quantize
-    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: quantize_q6_k(w) if t == T.Q6_K else quantize(w, t))
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=False)
-    path = tmp_path / "q6k.gguf"
     types = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q6_K, "attn_output.weight": T.Q4_0,
              "ffn_gate.weight": T.Q4_1, "ffn_up.weight": T.Q4_1, "ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K}
-    write_gguf(path, "llama", random_model(config), types=types)
-    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
-    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, types)
     model = auto.engine.core.runner.model
     assert isinstance(model.layers[0].mlp.down_proj, Int6Linear) and model.layers[0].mlp.down_proj.kernel is not None
     assert isinstance(model.lm_head, Int6Linear)
@@ -249,11 +244,7 @@ def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
     ref = dense.engine.core.runner.model.layers[0].mlp.down_proj
     x = torch.randn(3, 256)
     torch.testing.assert_close(down(x), ref(x), atol=0.05 * ref(x).abs().max().item(), rtol=0)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
-    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
-        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+    assert_prompt_logprobs_close(auto, dense, seed=5)
 
 
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
@@ -276,6 +267,24 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), factors, qs], axis=1).reshape(n, -1)
 
 
+def engines_at_avx2(tmp_path, monkeypatch, config, types: dict, permute_qk: bool = False) -> tuple[LLM, LLM]:
+    """A random `config` model written as a GGUF file with `types` (Q4_K and Q6_K by the
+    quantizers above), loaded with the avx2 kernels as stored and dequantized (quantization
+    "none"); skips where the avx2 kernels cannot be built."""
+    from tokenmill.layers import cpu_kernels
+
+    if cpu_kernels.load("avx2") is None:
+        pytest.skip("no avx2 CPU kernels here")
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    quantize = gguf.quants.quantize
+    ours = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: ours[t](w) if t in ours else quantize(w, t))
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama", random_model(config), permute_qk=permute_qk, types=types)
+    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
+    return LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+
+
 def test_q4_k_quantizer_is_gguf_pys_layout():
     rng = np.random.default_rng(4)
     w = rng.standard_normal((16, 512)).astype(np.float32) * rng.uniform(0.01, 1, (16, 16)).repeat(32, axis=1)
@@ -289,22 +298,12 @@ def test_q4_k_and_q6_k_run_on_their_own_factors(tmp_path, monkeypatch):
     super-block tables), its Q6_K ones too; a fused qkv of Q4_K and Q4_0 parts keeps bf16 pairs
     (the factors are not in every part); the logits are the dequantized weights' within the
     kernels' activation rounding."""
-    from tokenmill.layers import cpu_kernels
     from tokenmill.layers.linear import Int6Linear
 
-    if cpu_kernels.load("avx2") is None:
-        pytest.skip("no avx2 CPU kernels here")
-    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
-    quantize = gguf.quants.quantize
-    by_type = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
-    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: by_type[t](w) if t in by_type else quantize(w, t))
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 512}), tie_word_embeddings=False)
-    path = tmp_path / "q4k.gguf"
     types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q4_K, "attn_output.weight": T.Q4_K,
              "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K, "ffn_down.weight": T.Q6_K, "output.weight": T.Q4_K}
-    write_gguf(path, "llama", random_model(config), permute_qk=True, types=types)
-    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
-    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, types, permute_qk=True)
     model = auto.engine.core.runner.model
     layer = model.layers[0]
     for linear in (layer.self_attn.o_proj, layer.mlp.gate_up_proj):
@@ -318,31 +317,18 @@ def test_q4_k_and_q6_k_run_on_their_own_factors(tmp_path, monkeypatch):
         ours, ref = layer.get_submodule(name), ref_layer.get_submodule(name)
         x = torch.randn(3, ref.in_features)
         torch.testing.assert_close(ours(x), ref(x), atol=0.03 * ref(x).abs().max().item(), rtol=0)
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
-    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
-        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+    assert_prompt_logprobs_close(auto, dense, seed=6)
 
 
 def test_a_tied_q6_k_embedding_stays_int6_and_is_the_heads_record(tmp_path, monkeypatch):
     """A tied Q6_K token embedding where the kernels run int6 (avx2): the head is an int6 layer of
     the file's own codes, and the embedding stays int6 (its rows dequantized per lookup, the
     file's values exactly) instead of a dense copy."""
-    from tokenmill.layers import cpu_kernels
     from tokenmill.layers.embedding import QuantizedEmbedding
     from tokenmill.layers.linear import Int6Linear
 
-    if cpu_kernels.load("avx2") is None:
-        pytest.skip("no avx2 CPU kernels here")
-    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
-    quantize = gguf.quants.quantize
-    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: quantize_q6_k(w) if t == T.Q6_K else quantize(w, t))
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=True)
-    path = tmp_path / "tied_q6k.gguf"
-    write_gguf(path, "llama", random_model(config), types={"token_embd.weight": T.Q6_K})
-    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
-    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, {"token_embd.weight": T.Q6_K})
     model, ref = auto.engine.core.runner.model, dense.engine.core.runner.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.method == "int6"
     assert isinstance(model.lm_head, Int6Linear)
@@ -350,11 +336,7 @@ def test_a_tied_q6_k_embedding_stays_int6_and_is_the_heads_record(tmp_path, monk
     torch.testing.assert_close(model.embed_tokens(ids), ref.embed_tokens(ids), rtol=0, atol=0)
     x = torch.randn(3, 256)
     torch.testing.assert_close(model.lm_head(x), ref.lm_head(x), atol=0.03 * ref.lm_head(x).abs().max().item(), rtol=0)
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
-    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
-        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+    assert_prompt_logprobs_close(auto, dense, seed=7)
 
 
 def test_a_fused_qkv_of_q4_k_and_q6_k_runs_each_part_as_stored(tmp_path, monkeypatch):
@@ -363,21 +345,11 @@ def test_a_fused_qkv_of_q4_k_and_q6_k_runs_each_part_as_stored(tmp_path, monkeyp
     Python layers and in the compiled DecoderStack alike; the file's weights within the kernels'
     activation rounding."""
     from tests.models.test_cpu_decoder import assert_stack_matches_python
-    from tokenmill.layers import cpu_kernels
     from tokenmill.layers.linear import Int6Linear, StackedLinear
 
-    if cpu_kernels.load("avx2") is None:
-        pytest.skip("no avx2 CPU kernels here")
-    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
-    quantize = gguf.quants.quantize
-    by_type = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
-    monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: by_type[t](w) if t in by_type else quantize(w, t))
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=False)
-    path = tmp_path / "q4_k_m.gguf"
     types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K}
-    write_gguf(path, "llama", random_model(config), permute_qk=True, types=types)
-    kw = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory_gb=0.02)
-    auto, dense = LLM(str(path), **kw), LLM(str(path), quantization="none", **kw)
+    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, types, permute_qk=True)
     model = auto.engine.core.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, StackedLinear) and [type(p) for p in qkv.parts] == [Int4Linear, Int6Linear]
@@ -388,8 +360,4 @@ def test_a_fused_qkv_of_q4_k_and_q6_k_runs_each_part_as_stored(tmp_path, monkeyp
     x = torch.randn(3, 256)
     torch.testing.assert_close(qkv(x), ref(x), atol=0.03 * ref(x).abs().max().item(), rtol=0)
     assert_stack_matches_python(auto.engine.core.runner, [5, 9])
-    gen = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 24)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
-    for a, b in zip(auto.generate(prompts, params), dense.generate(prompts, params)):
-        np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=0.02)
+    assert_prompt_logprobs_close(auto, dense, seed=8)
