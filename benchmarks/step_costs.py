@@ -39,7 +39,7 @@ TERMS = ("a", "b", "c", "d")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from tokenmill.config import DTYPES, QUANTIZATION_METHODS, EngineConfig
+    from tokenmill.config import DTYPES, QUANTIZATION_CHOICES, EngineConfig
 
     d = EngineConfig()
     p = argparse.ArgumentParser(description="Fit tokenmill bench simulate's step-cost model on this machine.",
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_args(p, d.model)
     p.add_argument("--device", default="auto", help="engine device (auto: a GPU when there is one)")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="compute dtype")
-    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None, help="weight quantization")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                   help="weight quantization (default: none; 'auto': a GGUF file's own formats)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the physical cores)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")

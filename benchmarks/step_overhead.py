@@ -53,7 +53,7 @@ PARTS = ["schedule", "prep", "sampler", "update", "core_other", "output"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from tokenmill.config import DTYPES, QUANTIZATION_METHODS, EngineConfig
+    from tokenmill.config import DTYPES, QUANTIZATION_CHOICES, EngineConfig
 
     d = EngineConfig()
     p = argparse.ArgumentParser(
@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (cut from the GPL-3 text)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (exact: EOS is ignored)")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="tokenmill compute dtype")
-    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
-                   help="tokenmill weight-only quantization of the linears (default: none)")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                   help="tokenmill weight-only quantization of the linears (default: none, the dtype's weights; "
+                        "'auto': a GGUF file's own formats)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokenmill: token budget per engine step")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="tokenmill: most requests running at once")
