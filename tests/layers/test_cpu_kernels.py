@@ -459,8 +459,8 @@ def random_q4_k_record(out_features: int, in_features: int, g: torch.Generator):
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 64])
 def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
-    """At width 8 (avx2, avx512) a Q4_K record runs on its factors (d sc, m mn: 4.625 bits a
-    weight) in place of bf16 scales and mins: the products of the exact fp32 scales, where the
+    """At width 8 (avx2, avx512) a Q4_K record runs on its factors (d sc, m mn, the factors in 6
+    bits: the file's 4.5 bits a weight) in place of bf16 scales and mins: the products of the exact fp32 scales, where the
     bf16 pairs' are off by their rounding. At avx512_bf16 (tiles of 16) the pairs stay."""
     from tokenmill.layers.linear import Int4Linear
 
@@ -472,9 +472,9 @@ def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
     if level.native_bf16():
         assert layer.kernel_pairs.dtype == torch.bfloat16 and torch.equal(layer(x), pairs(x))
         return
-    assert layer.kernel_pairs.dtype == torch.uint8 and layer.kernel_pairs.shape == (6, 3, 160)
-    # bits a weight beside its 4-bit code: 0.625 (the bf16 pairs: 1)
-    assert layer.kernel_pairs.numel() * 8 / (48 * 768) == 0.625 and pairs.kernel_pairs.numel() * 16 / (48 * 768) == 1
+    assert layer.kernel_pairs.dtype == torch.uint8 and layer.kernel_pairs.shape == (6, 3, 128)
+    # bits a weight beside its 4-bit code: 0.5 (the bf16 pairs: 1)
+    assert layer.kernel_pairs.numel() * 8 / (48 * 768) == 0.5 and pairs.kernel_pairs.numel() * 16 / (48 * 768) == 1
     got = level.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, 32)
     assert torch.equal(layer(x), got)
     expected = (int8_blocks(x).double() @ ((codes - 8) * scales).double().t()
@@ -482,6 +482,21 @@ def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
     exact_error = (got.double() - expected).abs().max().item()
     rounded_error = (pairs(x).double() - expected).abs().max().item()
     assert exact_error < 1e-5 * expected.abs().max().item() and exact_error < rounded_error / 10, (exact_error, rounded_error)
+
+
+def test_int4_factors_beyond_6_bits_keep_the_bf16_pairs(level):
+    """The super-block table holds 6-bit factors: a record with a wider one (not from a Q4_K
+    file) runs on bf16 pairs, with the same results as without its factors."""
+    from tokenmill.layers.linear import Int4Linear
+
+    g = torch.Generator().manual_seed(0)
+    _, record, _, _ = random_q4_k_record(16, 256, g)
+    record["factors"][3, 5, 1] = 64
+    layer = Int4Linear(record, None, level)
+    pairs = Int4Linear({k: record[k] for k in ("codes", "scales", "mins")}, None, level)
+    assert layer.kernel_pairs.dtype == torch.bfloat16
+    x = activations(level, 2, 256, g)
+    assert torch.equal(layer(x), pairs(x))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 13, 64, 260])

@@ -420,7 +420,7 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
 // _tiled_int4_layout): AVX-512 BF16 width 16 (the layout above), AVX2 width 8
 // (cpu_gemv_avx2.cpp); packed [N/width, K width/64, 32] uint8, pairs [N/width, K/group_size,
 // 2 width] bf16, or at width 8 a Q4_K tensor's super-blocks (_tiled_int4_super_blocks: uint8
-// [N/8, K/256, 160], group_size 32). Returns N.
+// [N/8, K/256, 128], group_size 32). Returns N.
 int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
@@ -430,8 +430,8 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
               "packed: uint8 [N/", width, ", K/", 64 / width, ", 32]");
   if (pairs.scalar_type() == at::kByte) {
     TORCH_CHECK(width == 8 && group_size == 32 && K % 256 == 0 && pairs.dim() == 3 &&
-                    pairs.size(0) == packed.size(0) && pairs.size(1) == K / 256 && pairs.size(2) == 160,
-                "super-blocks: uint8 [N/8, K/256, 160] at width 8 (AVX2 and AVX-512 without BF16), group_size 32");
+                    pairs.size(0) == packed.size(0) && pairs.size(1) == K / 256 && pairs.size(2) == 128,
+                "super-blocks: uint8 [N/8, K/256, 128] at width 8 (AVX2 and AVX-512 without BF16), group_size 32");
     return packed.size(0) * width;
   }
   TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&

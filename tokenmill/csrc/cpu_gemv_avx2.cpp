@@ -255,10 +255,11 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
 // The block's scales and mins, 8 channels each, come from one of two tables (int4_tile):
 // - Pairs: bf16 [N/8, groups, 16], the tile's 8 scales then its 8 mins (5 bits a weight at
 //   groups of 32);
-// - SuperBlocks: a GGUF Q4_K tensor's own factors, uint8 [N/8, K/256, 160] per tile and
-//   super-block of 256 input channels: 8 fp16 d then 8 fp16 m (the negated dmin), then per block
-//   of 32 the 8 channels' 8-bit scale factors then their min factors; scale = d sc, min = m mn,
-//   exactly as the file has them, at 4.625 bits a weight (the file: 4.5, its factors in 6 bits).
+// - SuperBlocks: a GGUF Q4_K tensor's own factors, uint8 [N/8, K/256, 128] per tile and
+//   super-block of 256 input channels: 8 fp16 d then 8 fp16 m (the negated dmin), then the 128
+//   6-bit factors (per block of 32 the 8 channels' scale factors then their min factors) in 96
+//   bytes; scale = d sc, min = m mn, exactly as the file has them, at the file's 4.5 bits a
+//   weight.
 
 // Adds block b's products of rows r0 .. r0 + R - 1 with the tile's codes w (the block's 128
 // bytes) into part[r], as int16 sums.
@@ -299,26 +300,44 @@ struct Pairs {
   }
 };
 
-// Q4_K's factors (see above): the super-block's d and m widened from fp16 (F16C) at its first
-// block, each block's 8-bit factors converted and multiplied by them.
+// Q4_K's factors (see above): at a super-block's first block its d and m are widened from
+// fp16 (F16C) and its 6-bit factors unpacked to bytes, f[16 j + c] the scale factor of channel c
+// in block j and f[16 j + 8 + c] its min factor; each block's factors are then converted and
+// multiplied by d and m. Packed, factor i (0..127) has its low 4 bits in the low nibble of low
+// byte i (i < 64) or the high nibble of low byte i - 64, and its top 2 bits at bits 2 (i / 32) and 2 (i / 32) + 1
+// of top byte i % 32: four 32-byte ORs of masked 16-bit shifts (bytes do not mix) unpack all 128.
 struct SuperBlocks {
   static constexpr int64_t kBlocks = 8;  // blocks of 32 per super-block of 256
-  static constexpr int64_t kBytes = 32 + kBlocks * 16;  // a tile's super-block: d, m, then the factors
+  static constexpr int64_t kBytes = 32 + 64 + 32;  // a tile's super-block: d and m, the low 4 bits, the top 2
   const uint8_t* p;
   int64_t block = 0;
   __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+  alignas(32) uint8_t f[kBlocks * 16];
   void next(__m256& scale, __m256& min) {
     if (block == 0) {
       d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      unpack(p + 32);
     }
-    const uint8_t* f = p + 32 + block * 16;
-    scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f)))));
-    min = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f + 8)))));
+    const uint8_t* fb = f + block * 16;
+    scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(fb)))));
+    min = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(fb + 8)))));
     if (++block == kBlocks) {
       block = 0;
       p += kBytes;
     }
+  }
+  void unpack(const uint8_t* q) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64));
+    auto* out = reinterpret_cast<__m256i*>(f);
+    _mm256_store_si256(out, _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top2)));
+    _mm256_store_si256(out + 1, _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top2)));
+    _mm256_store_si256(out + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(h, top2)));
+    _mm256_store_si256(out + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                                _mm256_and_si256(_mm256_srli_epi16(h, 2), top2)));
   }
 };
 

@@ -206,7 +206,7 @@ class Int4Linear(QuantizedLinear):
     from 4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows). At avx2/avx512: tiles
     of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`); a GGUF
     Q4_K tensor's record brings its own factors, which the kernel reads there in place of bf16
-    scales and mins (`_tiled_int4_super_blocks`: 4.625 bits a weight against 5, and exact).
+    scales and mins (`_tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5, and exact).
 
     On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
     shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
@@ -241,9 +241,10 @@ class Int4Linear(QuantizedLinear):
             self.kernel = kernels
             width = _tile_width(kernels)
             self.kernel_codes = _tiled_int4_layout(record["codes"], width)
+            self.kernel_pairs = None
             if "super_factors" in record and width == 8 and self.group_size == 32 and self.in_features % 256 == 0:
                 self.kernel_pairs = _tiled_int4_super_blocks(record["factors"], record["super_factors"])
-            else:
+            if self.kernel_pairs is None:
                 self.kernel_pairs = _tiled_int4_pairs(scales, mins, width)
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
@@ -407,18 +408,25 @@ def _tiled_int4_pairs(scales: torch.Tensor, mins: torch.Tensor, width: int) -> t
     return per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
 
 
-def _tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
-    """A Q4_K record's factors (uint8 [N, K/32, 2]: each group's scale and min factor; float16
-    [N, K/256, 2]: each super-block's d and m, scale = d sc, min = m mn; models/gguf_blocks.py) in
-    the AVX2 int4 kernel's table (csrc/cpu_gemv_avx2.cpp SuperBlocks), in place of the bf16 pairs:
-    uint8 [N/8, K/256, 160], per tile of 8 output channels and super-block its 8 d (fp16), its 8
-    m, then per group of 32 the 8 channels' scale factors and their 8 min factors."""
+def _tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor | None:
+    """A Q4_K record's factors (uint8 [N, K/32, 2]: each group's 6-bit scale and min factor;
+    float16 [N, K/256, 2]: each super-block's d and m, scale = d sc, min = m mn;
+    models/gguf_blocks.py) in the AVX2 int4 kernel's table (csrc/cpu_gemv_avx2.cpp SuperBlocks),
+    in place of the bf16 pairs: uint8 [N/8, K/256, 128], per tile of 8 output channels and
+    super-block its 8 d (fp16), its 8 m, then its 128 factors f (per group of 32 the 8 channels'
+    scale factors, then their min factors) in 96 bytes: f[i] % 16 in the low nibble of byte i
+    (i < 64) or the high nibble of byte i - 64, f[i] // 16 at bits 2 (i // 32) of byte 64 + i % 32.
+    None if a factor does not fit 6 bits."""
     n, groups = factors.shape[:2]
+    if factors.max() >= 64:
+        return None
     supers = groups // 8
-    per_group = factors.reshape(n // 8, 8, supers, 8, 2).permute(0, 2, 3, 4, 1)  # [tile, super, group, kind, c]
+    f = factors.reshape(n // 8, 8, supers, 8, 2).permute(0, 2, 3, 4, 1).reshape(n // 8, supers, 128)
+    low = f[..., :64] & 15 | (f[..., 64:] & 15) << 4
+    top = f >> 4
+    high = top[..., :32] | top[..., 32:64] << 2 | top[..., 64:96] << 4 | top[..., 96:] << 6
     heads = super_factors.to(torch.float16).reshape(n // 8, 8, supers, 2).permute(0, 2, 3, 1).contiguous()
-    return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 32),
-                      per_group.reshape(n // 8, supers, 128)], dim=2).contiguous()
+    return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 32), low, high], dim=2).contiguous()
 
 
 def _tile_width(kernels) -> int:

@@ -13,7 +13,8 @@ int4 record at group size 32, exactly.
 Those are repacked: the codes move, s and m are computed in float32 from the file's fp16 and 6-bit
 factors, and nothing is rounded. A Q4_K record also keeps the factors themselves ("factors": sc_j
 and m_j, uint8 [N, K/32, 2]; "super_factors": d and -dmin, float16 [N, K/256, 2]), which the AVX2
-int4 kernel reads in place of s and m: 4.625 bits a weight against 5 (`Int4Linear`). The other block types map by precision (`stored_method`): more
+int4 kernel reads in place of s and m, the factors in 6 bits as in the file: 4.5 bits a weight against 5
+(`Int4Linear`). The other block types map by precision (`stored_method`): more
 than 4 bits (Q5_*, Q6_K, Q8_0, IQ4_*) onto int8 per output channel, requantized from their
 dequantized values; fewer (Q2_K, Q3_K, the IQ1-3 and ternary types) onto int4 by round-to-nearest;
 float types stay dense. Where the compiled CPU kernels run int6 (AVX2 and up), Q6_K is repacked
