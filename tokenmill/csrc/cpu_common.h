@@ -1,7 +1,10 @@
 // Helpers shared by the CPU kernel files (cpu_kernels.cpp, cpu_gemv.cpp, cpu_prefill.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -22,6 +25,11 @@
 #if defined(TOKENMILL_AVX512_BF16) || defined(TOKENMILL_AVX2)
 #include <immintrin.h>
 #endif
+
+// The dtypes the kernels take: float32 and bfloat16, the engine's CPU compute dtypes
+// (AT_DISPATCH_FLOATING_TYPES_AND(kBFloat16) would also instantiate every kernel for float64).
+#define TOKENMILL_DISPATCH_FLOAT_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 #define TOKENMILL_STRINGIFY2(x) #x
 #define TOKENMILL_STRINGIFY(x) TOKENMILL_STRINGIFY2(x)

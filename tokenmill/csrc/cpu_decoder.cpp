@@ -12,8 +12,14 @@
 // `x + delta` does. Python keeps the embedding lookup and the final norm.
 #include "cpu_kernels.h"
 
+#include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
+#include <torch/csrc/utils/pybind.h>  // the DecoderStack's specs are Python tuples
 
 #include <string>
 #include <string_view>

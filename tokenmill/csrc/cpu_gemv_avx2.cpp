@@ -33,6 +33,9 @@
 #ifdef TOKENMILL_AVX2
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <atomic>

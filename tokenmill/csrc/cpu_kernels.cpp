@@ -23,7 +23,7 @@
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
-#include <torch/extension.h>  // the Python bindings (the other kernel files need only ATen)
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -746,7 +746,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= block_tables.size(1) * key_cache.size(1),
                 "every seq_len must be >= 1 and fit in its block table row");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
+  TOKENMILL_DISPATCH_FLOAT_BF16(query.scalar_type(), "paged_decode_attention", [&] {
     if (quantized) {
       dispatch_head_dim<scalar_t, int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                                           key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
@@ -779,7 +779,7 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
   at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  TOKENMILL_DISPATCH_FLOAT_BF16(x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(out, x, weight, eps);
   });
   return out;
@@ -794,7 +794,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() && delta.is_contiguous(),
               "delta: contiguous, x's shape and dtype");
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+  TOKENMILL_DISPATCH_FLOAT_BF16(x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_impl<scalar_t>(out, x, weight, eps, &delta, &sum);
   });
   return {sum, out};
@@ -837,56 +837,10 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= -1 && slots[i] < num_slots, "slot out of the cache's range");
   at::Tensor out = at::empty({n, num_heads + num_kv_heads, head_dim}, qkv.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
+  TOKENMILL_DISPATCH_FLOAT_BF16(qkv.scalar_type(), "rope_write_kv", [&] {
     rope_write_kv_impl<scalar_t>(out, qkv, cos2, sin2, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads,
                                  quantized ? key_scales->data_ptr<float>() : nullptr,
                                  quantized ? value_scales->data_ptr<float>() : nullptr);
   });
   return out;
-}
-
-// Adds the DecoderStack class (cpu_decoder.cpp) to the extension module.
-void bind_decoder_stack(pybind11::module& m);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of q and k + paged KV cache store (CPU)",
-        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slot_mapping"),
-        pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("num_heads"),
-        pybind11::arg("num_kv_heads"), pybind11::arg("key_scales") = pybind11::none(),
-        pybind11::arg("value_scales") = pybind11::none());
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", pybind11::arg("out"),
-        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("key_scales") = pybind11::none(),
-        pybind11::arg("value_scales") = pybind11::none());
-  m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal prefill attention over the paged cache (CPU; fp32 or bf16 queries, prefill_attention_dtypes())",
-        pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
-        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_lens"), pybind11::arg("scale"),
-        pybind11::arg("key_scales") = pybind11::none(), pybind11::arg("value_scales") = pybind11::none(),
-        pybind11::arg("key") = pybind11::none(), pybind11::arg("value") = pybind11::none());
-  m.def("prefill_attention_dtypes", &prefill_attention_dtypes,
-        "the query dtypes paged_prefill_attention takes in this build (float32 from AVX2 up, bfloat16 at AVX-512 BF16)");
-  m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU): (x + delta, rms_norm(x + delta))");
-  m.def("int4_linear", &int4_linear, "weight-only int4 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("pairs"), pybind11::arg("group_size"));
-  m.def("bf16_linear", &bf16_linear, "bf16 linear at 1-4 rows (CPU, AVX-512 BF16)", pybind11::arg("x"),
-        pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
-  m.def("int8_linear", &int8_linear, "weight-only int8 linear at few rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
-        pybind11::arg("codes"), pybind11::arg("scales"));
-  m.def("int8_tiled_linear", &int8_tiled_linear, "weight-only int8 linear over 16-channel tiles, any number of rows "
-        "(CPU, AVX-512 BF16)", pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("scales"));
-  m.def("int6_linear", &int6_linear, "weight-only 6-bit linear (symmetric groups of 16) at any number of rows "
-        "(CPU, AVX2 and up; x fp32 or bf16)", pybind11::arg("x"), pybind11::arg("low"), pybind11::arg("high"),
-        pybind11::arg("scales"));
-  m.def("int8_gemm", &int8_gemm, "weight-only int8 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
-        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
-  m.def("gemv_supported", &gemv_supported,
-        "whether the quantized matmul kernels (int4_linear, int8_linear, int8_gemm) were built (AVX2 and up)");
-  m.def("native_bf16", &native_bf16, "whether bf16_linear and the bf16 dot-product paths were built (AVX-512 BF16)");
-  m.def("sample_rows", &sample_rows, "one token per row of fp32 logits, sampled at inv_temperature and min_p by "
-        "the Gumbel-max trick, the noise hashed from each row's int64 key (CPU)", pybind11::arg("logits"),
-        pybind11::arg("inv_temperature"), pybind11::arg("min_p"), pybind11::arg("keys"));
-  m.def("isa", [] { return std::string(TOKENMILL_ISA); }, "the instruction-set level this module was built for");
-  bind_decoder_stack(m);
 }

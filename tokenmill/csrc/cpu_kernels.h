@@ -1,7 +1,7 @@
 // The entry points of cpu_kernels.cpp that cpu_decoder.cpp calls (argument contracts there).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 #include <vector>

@@ -1,8 +1,8 @@
 """tokenmill's own CPU kernels (`tokenmill/csrc/`), compiled at first use with
 `torch.utils.cpp_extension` (g++ and ninja; -O3 -ffast-math -fopenmp and the flags of an
 instruction-set level, layers/cpu_isa.py) and cached by torch under ~/.cache/torch_extensions
-(`TORCH_EXTENSIONS_DIR`), one build per level (`tokenmill_cpu_kernels_<level>`, about a minute
-on 2 cores), so every later process reuses it and no build runs on a CPU without its instructions.
+(`TORCH_EXTENSIONS_DIR`), one build per level (`tokenmill_cpu_kernels_<level>`, about 35 s on 2
+cores; the Python module is csrc/cpu_bindings.cpp), so every later process reuses it and no build runs on a CPU without its instructions.
 
 - `paged_decode_attention`: decode attention read in place from the paged KV cache through the
   block tables (the PyTorch path gathers every sequence's blocks, then runs SDPA).
@@ -50,8 +50,8 @@ from tokenmill.layers import cpu_isa
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_gemv.cpp", CSRC / "cpu_gemv_avx2.cpp",
-           CSRC / "cpu_prefill.cpp", CSRC / "cpu_sampler.cpp"]
+SOURCES = [CSRC / "cpu_bindings.cpp", CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_gemv.cpp",
+           CSRC / "cpu_gemv_avx2.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_sampler.cpp"]
 _errors: dict[str, str] = {}
 
 
