@@ -87,9 +87,15 @@ def assert_stack_matches_python(runner, seq_lens: list[int], prefill: list[tuple
     assert not all(torch.equal(x, y) for x, y in zip(stack_caches[0], caches[0]))
 
 
+# Blocks of the engines' KV caches: far more than any step here uses (model_step asserts it),
+# but not the 2 GiB default, which model_step would fill with random values and each step clone
+# twice (most of a step's time; the tiny Qwen2's default is over 100k blocks).
+NUM_KV_BLOCKS = 256
+
+
 def cpu_llm(model: str, **kwargs) -> LLM:
     """An engine on the CPU (the DecoderStack's only device), whatever device the machine has."""
-    return LLM(model, device="cpu", **kwargs)
+    return LLM(model, device="cpu", num_kv_blocks=NUM_KV_BLOCKS, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -127,11 +127,10 @@ def test_default_model_tokenizer(default_checkpoint: LoadedCheckpoint) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_weights_equal_transformers(
-    default_checkpoint: LoadedCheckpoint, default_model_path: Path
-) -> None:
-    # transformers undoes llama.cpp's q/k row permutation itself, so this checks ours.
-    reference = _hf_state_dict(default_model_path.parent, gguf_file=default_model_path.name)
+def test_default_model_weights_equal_transformers(default_checkpoint: LoadedCheckpoint, hf_model) -> None:
+    # transformers undoes llama.cpp's q/k row permutation itself, so this checks ours. hf_model
+    # (tests/conftest.py) is transformers' own load of the same GGUF file, fp32, once per session.
+    reference = hf_model.state_dict()
     assert torch.equal(reference["lm_head.weight"], reference["model.embed_tokens.weight"])
     _assert_weights_equal(default_checkpoint, reference)
 
