@@ -4,7 +4,10 @@ perplexity on GPL-3 against the fp32 engine's on the same windows, and the serve
 Measured on the whole of GPL-3 (512-token windows): fp32 18.13, bf16 18.14, int8 18.30 (+0.9%),
 int4 g32 18.20 (+0.4%: the Q4_1 checkpoint re-quantizes onto its own grid; the loss is the
 int8 LM head and bf16 scales). The test scores the first 4 windows to stay quick, with bounds
-that a broken kernel or a mis-ordered pack would exceed by orders of magnitude.
+that a broken kernel or a mis-ordered pack would exceed by orders of magnitude. On those windows
+(fp32 18.490): at avx512_bf16 int8 +1.2%, int4 and auto +0.5%; at avx2 / avx512, where the
+kernels also quantize the activations to int8 per block of 32, int8 +2.1% and int4 and auto
++1.7% (over the whole text +1.1% and +1.0%, docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.eval.perplexity import perplexity
+from tokenmill.layers import cpu_isa
 from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.slow
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 WINDOWS = 4
-PPL_TOLERANCE = {"int8": 0.02, "int4": 0.02, "auto": 0.02}  # relative to fp32
+# relative to fp32; 3% where the kernels quantize activations to int8 (avx2, avx512)
+PPL_TOLERANCE = 0.03 if cpu_isa.host_isa() in ("avx2", "avx512") else 0.02
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def test_quantized_perplexity_is_close_to_fp32(default_model_path, gpl3_ids, fp3
     assert isinstance(model.lm_head, Int8Linear)
     ours = perplexity(llm, gpl3_ids, window=512)
     print(f"\nGPL-3 perplexity, first {WINDOWS} windows: fp32 {fp32_perplexity:.4f}, {quantization} {ours:.4f}")
-    assert abs(ours / fp32_perplexity - 1) <= PPL_TOLERANCE[quantization]
+    assert abs(ours / fp32_perplexity - 1) <= PPL_TOLERANCE
     # and it still generates text, greedy. (Not the chat template's "What is the capital of
     # France?": its first answer token is a near-tie, "The" over "L" by 0.08 nats in fp32, less
     # than one step of a bf16 logit, so any change of rounding in the attention may flip it.)
