@@ -28,11 +28,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PUBLISHED = REPO / "benchmarks" / "published"
 DOCS = (REPO / "README.md", REPO / "docs" / "benchmarks.md", REPO / "docs" / "quantization.md")
-HOST_CLASSES = ("CPU with AVX-512 BF16", "CPU with AVX-512", "CPU with AVX2", "CPU, generic", "GPU")
+HOST_CLASSES = ("CPU with AVX-512 BF16", "CPU with AVX-512 VNNI", "CPU with AVX-512", "CPU with AVX2",
+                "CPU, generic", "GPU")
 REQUIRED = ("name", "title", "host_class", "host", "command", "peers", "columns", "rows")
 MARKER = re.compile(r"(<!-- bench-table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /bench-table -->)", re.S)
-ISA_CLASSES = {"avx512_bf16": "CPU with AVX-512 BF16", "avx512": "CPU with AVX-512", "avx2": "CPU with AVX2",
-               "generic": "CPU, generic"}
+ISA_CLASSES = {"avx512_bf16": "CPU with AVX-512 BF16", "avx512_vnni": "CPU with AVX-512 VNNI",
+               "avx512": "CPU with AVX-512", "avx2": "CPU with AVX2", "generic": "CPU, generic"}
 
 
 class PublishedError(ValueError):

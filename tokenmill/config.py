@@ -56,7 +56,7 @@ class EngineConfig:
     # Not used with an fp8 KV cache (its decode stays on the PyTorch path) nor on CUDA.
     cpu_kernels: bool = True
     # CPU: the instruction-set level the kernels are built for and dtype "auto" is chosen by
-    # (layers/cpu_isa.py): "generic", "avx2", "avx512", "avx512_bf16", or "auto", the host's
+    # (layers/cpu_isa.py): "generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16", or "auto", the host's
     # (capped by the TOKENMILL_CPU_ISA environment variable when set). A level above the
     # host's is an error, a lower one runs that level's code (to measure it on a bigger CPU).
     cpu_isa: str = "auto"

@@ -43,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "once; default: used when they build, except with --kv-cache-dtype fp8)")
     parser.add_argument("--cpu-isa", choices=("auto", *ISA_LEVELS), default=d.cpu_isa,
                         help="CPU: the instruction-set level of the compiled kernels: generic, avx2 (x86-64-v3: int8 "
-                             "activations times int8/int4 weights), avx512 (x86-64-v4), avx512_bf16 (bf16 dot products); "
+                             "activations times int8/int4 weights), avx512 (x86-64-v4), avx512_vnni (the same with "
+                             "vpdpbusd byte dot products), avx512_bf16 (bf16 dot products); "
                              "a lower level than the host's runs that level's code. auto = the host's, capped by the "
                              "TOKENMILL_CPU_ISA environment variable (default: auto)")
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=d.quantization,

@@ -459,7 +459,7 @@ def random_q4_k_record(out_features: int, in_features: int, g: torch.Generator):
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 64])
 def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
-    """At width 8 (avx2, avx512) a Q4_K record runs on its factors (d sc, m mn, the factors in 6
+    """At width 8 (avx2 to avx512_vnni) a Q4_K record runs on its factors (d sc, m mn, the factors in 6
     bits: the file's 4.5 bits a weight) in place of bf16 scales and mins: the products of the exact fp32 scales, where the
     bf16 pairs' are off by their rounding. At avx512_bf16 (tiles of 16) the pairs stay."""
     from tokenmill.layers.linear import Int4Linear
@@ -678,6 +678,37 @@ def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
         assert torch.equal(layer(x), level.int8_gemm(x, codes, layer.scales))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         level.int8_gemm(x[:, :8].contiguous(), codes[:, :8].contiguous(), layer.scales)
+
+
+def test_vnni_adds_the_same_integer_sums_as_vpmaddubsw():
+    """avx512_vnni multiplies bytes with vpdpbusd in the int8 and int6 kernels, avx512 with
+    vpmaddubsw + vpmaddwd: the same products and sums, so int8, int6 and int4 (bf16 pairs and
+    Q4_K factors; vpmaddubsw at both) give the same bits at both levels, at few rows and many,
+    codes at the ends of their ranges included."""
+    from tokenmill.layers.linear import Int4Linear, Int6Linear, Int8Linear
+    from tokenmill.quantization.formats import quantize_int8
+
+    if not {"avx512", "avx512_vnni"} <= set(MATMUL_LEVELS):
+        pytest.skip(f"needs the avx512 and avx512_vnni levels (this host runs {MATMUL_LEVELS})")
+    plain, vnni = (cpu_kernels.load(isa) for isa in ("avx512", "avx512_vnni"))
+    assert (plain.integer_dot(), vnni.integer_dot()) == ("vpmaddubsw", "vpdpbusd")
+    g = torch.Generator().manual_seed(0)
+    int4 = random_int4(64, 768, 32, g)[1]
+    int4["codes"][:4] = 0xFF  # every code 15
+    q4_k = random_q4_k_record(64, 768, g)[1]
+    codes6 = torch.randint(0, 64, (64, 768), generator=g).to(torch.uint8)
+    codes6[:4] = 63
+    int6 = {"codes": codes6, "scales": torch.rand(64, 48, generator=g) * 0.005 - 0.00125}
+    codes8, scales8 = quantize_int8(torch.randn(64, 768, generator=g))
+    codes8[:4] = -128
+    int8 = {"codes": codes8, "scales": scales8}
+    for rows in (1, 3, 4, 37, 260):
+        x = torch.randn(rows, 768, generator=g)
+        x[0, :32] = 127.0  # a block of x codes all 127
+        for cls, record in ((Int4Linear, int4), (Int4Linear, q4_k), (Int6Linear, int6), (Int8Linear, int8)):
+            assert torch.equal(cls(record, None, kernels=plain)(x), cls(record, None, kernels=vnni)(x)), (cls.__name__, rows)
+        assert torch.equal(plain.int8_linear(x[:4], codes8, scales8.bfloat16()),
+                           vnni.int8_linear(x[:4], codes8, scales8.bfloat16()))
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (12, 2, 64)])

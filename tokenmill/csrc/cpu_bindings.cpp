@@ -52,5 +52,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the Gumbel-max trick, the noise hashed from each row's int64 key (CPU)", pybind11::arg("logits"),
         pybind11::arg("inv_temperature"), pybind11::arg("min_p"), pybind11::arg("keys"));
   m.def("isa", [] { return std::string(TOKENMILL_ISA); }, "the instruction-set level this module was built for");
+  m.def("integer_dot", [] {
+#if defined(TOKENMILL_VNNI)
+    return std::string("vpdpbusd");
+#elif defined(TOKENMILL_AVX2)
+    return std::string("vpmaddubsw");
+#else
+    return std::string("none");
+#endif
+  }, "the instruction the integer matmul kernels multiply bytes with: vpdpbusd (AVX-512 VNNI), vpmaddubsw "
+        "(AVX2), or none (not built)");
   bind_decoder_stack(m);
 }

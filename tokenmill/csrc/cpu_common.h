@@ -22,6 +22,11 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TOKENMILL_AVX2 1
 #endif
+// The AVX2 integer kernels (cpu_gemv_avx2.cpp) multiply bytes with vpdpbusd on 256-bit registers
+// where the level has AVX-512 VNNI (avx512_vnni, avx512_bf16), with vpmaddubsw + vpmaddwd below.
+#if defined(TOKENMILL_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TOKENMILL_VNNI 1
+#endif
 #if defined(TOKENMILL_AVX512_BF16) || defined(TOKENMILL_AVX2)
 #include <immintrin.h>
 #endif

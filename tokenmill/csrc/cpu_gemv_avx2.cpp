@@ -1,6 +1,8 @@
 // The quantized matmuls for CPUs without bf16 dot products (x86-64-v3: AVX2, FMA, F16C), the
-// kernels behind int8_linear / int4_linear / int8_gemm (cpu_gemv.cpp) at the avx2 and avx512
-// levels. Activations are fp32 (dtype "auto" on these CPUs).
+// kernels behind int8_linear / int4_linear / int8_gemm (cpu_gemv.cpp) at the avx2, avx512 and
+// avx512_vnni levels (and int6_linear at every level from avx2 up). Activations are fp32 (dtype
+// "auto" on these CPUs). At avx512_vnni the int8 and int6 kernels add byte products with
+// vpdpbusd (dot4_add and int6_tile); int4 keeps vpmaddubsw (int4_block_sums).
 //
 // Integer products, as llama.cpp does: each row of x is quantized to int8 per block of 32 values
 // (d = absmax / 127, codes round(x / d)) and multiplied with the weight codes by vpmaddubsw
@@ -68,6 +70,28 @@ inline int32_t hsum_epi32(__m256i v) {
   const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
 }
+
+// acc + in each 32-bit lane the sum of the 4 products of u's unsigned bytes with s's signed
+// bytes. With VNNI (the avx512_vnni level) one vpdpbusd; without, vpmaddubsw, vpmaddwd and
+// vpaddd, whose int16 pair sums saturate at 32767 where vpdpbusd's do not: every caller's
+// operands keep a pair below that, so both give the same sums.
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+#ifdef TOKENMILL_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// How many independent sums a kernel keeps per row where it would keep one. vpdpbusd adds into
+// its accumulator, so one sum is a chain that waits out vpdpbusd's latency (4-5 cycles) at every
+// step: at 1 row that left int4 at 0.77x of vpmaddubsw's speed, whose products are independent
+// and only a 1-cycle add chains. With VNNI there are 32 vector registers for the extra sums.
+#ifdef TOKENMILL_VNNI
+constexpr int kChains = 2;
+#else
+constexpr int kChains = 1;
+#endif
 
 // x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale), and
 // for int4 and int6 terms [M, K/32, 8]: the block's scale again, its exact fp32 sum, 8 x scale x
@@ -155,7 +179,6 @@ inline void over_channels(int64_t begin, int64_t end, const Pass& pass) {
 template <int R>
 void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const uint16_t* scales, float* y, int64_t K,
                int64_t N, int64_t begin, int64_t end) {
-  const __m256i ones = _mm256_set1_epi16(1);
   constexpr int S = kSplits<R>;
   const int8_t* xr[R];
   const float* dr[R];
@@ -187,7 +210,7 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
         const __m256 d = _mm256_broadcast_ss(dr[r] + b);
 #pragma GCC unroll 2
         for (int c = 0; c < C; ++c) {
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xv, wv[c])), ones);
+          const __m256i dot = dot4_add(_mm256_setzero_si256(), aw[c], _mm256_sign_epi8(xv, wv[c]));
           __m256& a = acc[r][c][b % S];
           a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, a);
         }
@@ -213,7 +236,6 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
 template <int R>
 void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const float* scale, float* y, int64_t N,
                int64_t n0) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks = xq.blocks;
   const int8_t* xr[R];
   const float* dr[R];
@@ -227,20 +249,30 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
     for (int64_t line = 0; line < 4; ++line) {  // the block's 256 bytes, kPrefetchBytes ahead
       _mm_prefetch(reinterpret_cast<const char*>(tile + b * 256 + kPrefetchBytes + 64 * line), _MM_HINT_T0);
     }
-    __m256i part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+    __m256i part[R][kChains];  // step s adds into chain s % kChains
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < kChains; ++c) part[r][c] = _mm256_setzero_si256();
+    }
 #pragma GCC unroll 1
-    for (int s = 0; s < 8; ++s) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (b * 8 + s) * 32));
-      const __m256i aw = _mm256_abs_epi8(w);
+    for (int s0 = 0; s0 < 8; s0 += kChains) {
+#pragma GCC unroll 2
+      for (int c = 0; c < kChains; ++c) {
+        const int s = s0 + c;
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (b * 8 + s) * 32));
+        const __m256i aw = _mm256_abs_epi8(w);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256i x4 = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(xr[r] + b * kBlock + 4 * s)));
-        part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x4, w)), ones));
+        for (int r = 0; r < R; ++r) {
+          const __m256i x4 = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(xr[r] + b * kBlock + 4 * s)));
+          part[r][c] = dot4_add(part[r][c], aw, _mm256_sign_epi8(x4, w));
+        }
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r]), _mm256_set1_ps(dr[r][b]), acc[r]);
+    for (int r = 0; r < R; ++r) {
+      __m256i sum = part[r][0];
+      if constexpr (kChains == 2) sum = _mm256_add_epi32(sum, part[r][1]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dr[r][b]), acc[r]);
+    }
   }
   const __m256 s8 = _mm256_loadu_ps(scale + n0);
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, _mm256_mul_ps(acc[r], s8));
@@ -264,14 +296,17 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
 //   bytes; scale = d sc, min = m mn, exactly as the file has them, at the file's 4.5 bits a
 //   weight.
 
-// Adds block b's products of rows r0 .. r0 + R - 1 with the tile's codes w (the block's 128
-// bytes) into part[r], as int16 sums.
+// Block b's products of rows r0 .. r0 + R - 1 with the tile's codes w (the block's 128 bytes):
+// isum[r], each channel's sum in its 32-bit lane. The products are added as int16 (vpmaddubsw,
+// vpaddw) and widened once at the end (vpmaddwd), at every level: vpdpbusd (avx512_vnni) would
+// take the same one multiply-port slot per 32 products, and measured 0.97-1.02x of this at 16-512
+// rows (benchmarks/cpu_levels.py).
 template <int R>
-inline void int4_block_sums(const int8_t* const* xr, int64_t b, const uint8_t* w, __m256i* part) {
+inline void int4_block_sums(const int8_t* const* xr, int64_t b, const uint8_t* w, __m256i* isum) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
-  for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
   // (not unrolled: unrolled, the compiler hoists every product and spills them)
 #pragma GCC unroll 1
   for (int s = 0; s < 4; ++s) {
@@ -281,10 +316,11 @@ inline void int4_block_sums(const int8_t* const* xr, int64_t b, const uint8_t* w
     for (int r = 0; r < R; ++r) {
       // x's 4 codes to every lane: a broadcast load (vbroadcastss), no trip through a scalar register
       const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
-      part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))));
-      part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
+      isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))));
+      isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
     }
   }
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
 }
 
 // The factors of a tile's blocks in order, one block a call of next(scale, min).
@@ -352,7 +388,6 @@ struct SuperBlocks {
 template <int R, typename Factors>
 void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factors factors, float* y, int64_t N,
                int64_t n0) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256 eight = _mm256_set1_ps(8.f);
   const int8_t* xr[R];
   const float* tr[R];
@@ -372,7 +407,7 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factor
     for (int r = 0; r < R; ++r) {
       // scale (d isum - 8 d csum) + z sum, with 8 d csum from the terms: three FP operations
       const float* t = tr[r] + b * QuantizedRows::kTerms;
-      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(part[r], ones));
+      const __m256 isum = _mm256_cvtepi32_ps(part[r]);
       const __m256 centred = _mm256_fmsub_ps(isum, _mm256_broadcast_ss(t), _mm256_broadcast_ss(t + 2));
       acc[r] = _mm256_fmadd_ps(scale, centred, acc[r]);
       acc[r] = _mm256_fmadd_ps(zero_point, _mm256_broadcast_ss(t + 1), acc[r]);
@@ -398,7 +433,6 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
                float* y, int64_t N, int64_t n0) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i top = _mm256_set1_epi8(0x30);
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks = xq.blocks;
   const int8_t* xr[R];
   const float* tr[R];
@@ -415,10 +449,16 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(h + kPrefetchBytes / 2), _MM_HINT_T0);
     __m256i isum[R];
+#ifdef TOKENMILL_VNNI
+    __m256i odd[R];  // the high 4 input channels' products: a second vpdpbusd chain (kChains)
+#endif
 #pragma GCC unroll 1
     for (int s = 0; s < 4; ++s) {
       if (!(s & 1)) {
         for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#ifdef TOKENMILL_VNNI
+        for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_si256();
+#endif
       }
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * kBlock));
       __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + (s >> 1) * kBlock));
@@ -429,15 +469,24 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
-        const __m256i part = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))),
-                                              _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part, ones));
+        const __m256i xa = _mm256_castps_si256(_mm256_broadcast_ss(x4)), xb = _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1));
+#ifdef TOKENMILL_VNNI
+        isum[r] = _mm256_dpbusd_epi32(isum[r], lo, xa);
+        odd[r] = _mm256_dpbusd_epi32(odd[r], hi, xb);
+#else
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa),
+                                                                               _mm256_maddubs_epi16(hi, xb)),
+                                                              _mm256_set1_epi16(1)));
+#endif
       }
       if (s & 1) {  // the group's end: scale (d isum - 32 d csum)
         const __m256 scale = scales.next();
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const float* t = tr[r] + b * QuantizedRows::kTerms;
+#ifdef TOKENMILL_VNNI
+          isum[r] = _mm256_add_epi32(isum[r], odd[r]);
+#endif
           const __m256 centred =
               _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_broadcast_ss(t), _mm256_broadcast_ss(t + 3 + (s >> 1)));
           acc[r] = _mm256_fmadd_ps(scale, centred, acc[r]);

@@ -9,10 +9,14 @@ machines only ever loads on a CPU that has its instructions:
 - `avx2`: x86-64-v3 (AVX2, FMA, F16C; AMD Zen 2/3, most Intel desktops and laptops): int8/int4
   weights times int8-quantized activations (`vpmaddubsw`), fp32 activations, fp32 decode and
   prefill attention (FMA).
-- `avx512`: x86-64-v4 (AVX-512 F/BW/DQ/VL without bf16 dot products): the avx2 kernels, with
-  the compiler free to use AVX-512 around them.
-- `avx512_bf16`: x86-64-v4 plus AVX-512 BF16 (`vdpbf16ps`; Zen 4/5, Sapphire Rapids): bf16
-  activations, the bf16 matmul and bf16 prefill attention kernels.
+- `avx512`: x86-64-v4 (AVX-512 F/BW/DQ/VL without bf16 dot products; Intel Skylake-SP): the
+  avx2 kernels, with the compiler free to use AVX-512 around them.
+- `avx512_vnni`: x86-64-v4 plus AVX-512 VNNI (Intel Cascade Lake, Ice Lake, Tiger Lake): the
+  avx2 kernels with `vpdpbusd` (4 byte products added to int32 in one instruction) in place of
+  `vpmaddubsw` + `vpmaddwd`: the same integer sums, fewer instructions where the matmuls are
+  compute-bound (prefill, batched decode); and oneDNN's int8 matmul is exact.
+- `avx512_bf16`: the above plus AVX-512 BF16 (`vdpbf16ps`; Zen 4/5, Cooper Lake, Sapphire
+  Rapids): bf16 activations, the bf16 matmul and bf16 prefill attention kernels.
 
 The host's level is read from /proc/cpuinfo once. `TOKENMILL_CPU_ISA` caps it for the whole
 process (as `ONEDNN_MAX_CPU_ISA` caps oneDNN), so an AVX-512 machine runs and measures the AVX2
@@ -26,13 +30,14 @@ import os
 import platform
 from pathlib import Path
 
-ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")  # lowest first
+ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest first
 ISA_ENV = "TOKENMILL_CPU_ISA"
 
 # /proc/cpuinfo flags each x86 level needs (each level needs the ones below it too).
 _LEVEL_FLAGS = {
     "avx2": {"avx2", "fma", "f16c", "bmi2"},
     "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl"},
+    "avx512_vnni": {"avx512_vnni"},
     "avx512_bf16": {"avx512_bf16"},
 }
 # Compiler flags per level (g++). -march is the level's, so the build runs on every CPU of the
@@ -43,7 +48,8 @@ _LEVEL_CFLAGS = {
     "generic": [],
     "avx2": ["-march=x86-64-v3", "-mtune=native"],
     "avx512": ["-march=x86-64-v4", "-mtune=native"],
-    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"],
+    "avx512_vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=native"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=native"],
 }
 
 
@@ -103,9 +109,9 @@ def native_bf16(isa: str) -> bool:
 
 def onednn_int8_exact(isa: str) -> bool:
     """Whether oneDNN's int8 x int8 matmul (`torch._int_mm` on CPU) is exact at `isa`. It needs
-    VNNI, which every avx512_bf16 CPU has; without it oneDNN multiplies with vpmaddubsw on codes
-    shifted to unsigned, and the int16 pair sums saturate (wrong results, not a rounding)."""
-    return isa == "avx512_bf16"
+    VNNI (avx512_vnni and up); without it oneDNN multiplies with vpmaddubsw on codes shifted to
+    unsigned, and the int16 pair sums saturate (wrong results, not a rounding)."""
+    return ISA_LEVELS.index(isa) >= ISA_LEVELS.index("avx512_vnni")
 
 
 def onednn_bf16(isa: str) -> bool:

@@ -11,9 +11,9 @@ cores; the Python module is csrc/cpu_bindings.cpp), so every later process reuse
 - `rope_write_kv`: RoPE of q and k and the store of k and v in the paged cache, one call.
 - `int8_linear`, `int8_gemm`, `int4_linear` (csrc/cpu_gemv.cpp): quantized matmuls of few rows,
   of many, and (int4) of any number (`gemv_supported()`: avx2 and up). At avx512_bf16 they take
-  bf16 activations (vdpbf16ps, csrc/cpu_gemv.cpp); at avx2/avx512 fp32 activations quantized to
-  int8 per block of 32 (vpmaddubsw; int8_gemm: weights widened to fp32 panels;
-  csrc/cpu_gemv_avx2.cpp). `bf16_linear`: bf16 weights at 1-3 rows
+  bf16 activations (vdpbf16ps, csrc/cpu_gemv.cpp); at avx2 to avx512_vnni fp32 activations
+  quantized to int8 per block of 32 (vpmaddubsw, vpdpbusd at avx512_vnni: `integer_dot()`;
+  int8_gemm: weights widened to fp32 panels; csrc/cpu_gemv_avx2.cpp). `bf16_linear`: bf16 weights at 1-3 rows
   (`native_bf16()`: avx512_bf16 only).
 - `paged_prefill_attention` (csrc/cpu_prefill.cpp): causal flash attention of a step's prefill
   chunks over the paged cache, for the query dtypes `prefill_attention_dtypes()` lists: float32

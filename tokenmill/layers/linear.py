@@ -43,7 +43,7 @@ KERNEL_MAX_ROWS = 3
 # `int4_linear` takes every row count at every level (one kernel over a tiled layout): its row
 # limit in the DecoderStack.
 ANY_ROWS = 1 << 62
-# At avx2/avx512 the int8 few-row kernel (int8 activations, memory-bound) runs up to this many
+# At avx2 to avx512_vnni the int8 few-row kernel (int8 activations, memory-bound) runs up to this many
 # rows and the fp32 panel kernel (int8_gemm) above; PyTorch's bf16 kernels never (without native
 # bf16 they are many times slower than either).
 AVX2_KERNEL_MAX_ROWS = 8
@@ -203,7 +203,7 @@ class Int4Linear(QuantizedLinear):
     every row count on the codes in the level's tiled layout, and PyTorch's packed copy is not
     made. At avx512_bf16: tiles of 16 output channels for vdpbf16ps (`_tiled_int4_layout`; over
     the default model's 120 matrices on 2 cores 1.16x the kernel it replaced at 1 row, 1.2-1.5x
-    from 4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows). At avx2/avx512: tiles
+    from 4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows). At avx2 to avx512_vnni: tiles
     of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`); a GGUF
     Q4_K tensor's record brings its own factors, which the kernel reads there in place of bf16
     scales and mins (`_tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5, and exact).
@@ -431,14 +431,14 @@ def _tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor)
 
 def _tile_width(kernels) -> int:
     """Output channels per tile of the kernels' int4 and int8 layouts: 16 at avx512_bf16
-    (vdpbf16ps), 8 at avx2/avx512 (vpmaddubsw)."""
+    (vdpbf16ps), 8 at avx2 to avx512_vnni (vpmaddubsw or vpdpbusd)."""
     return 16 if kernels.native_bf16() else 8
 
 
 def _int8_tiles_fit(kernels, out_features: int, in_features: int) -> bool:
     """Whether `kernels.int8_tiled_linear` takes an int8 weight of this shape at the kernels'
     level: tiles of 16 output channels and pairs of input channels at avx512_bf16, tiles of 8
-    and blocks of 32 input channels (x's int8 blocks) at avx2/avx512."""
+    and blocks of 32 input channels (x's int8 blocks) at avx2 to avx512_vnni."""
     if not kernels.gemv_supported() or out_features % _tile_width(kernels):
         return False
     return in_features % (16 if kernels.native_bf16() else 32) == 0
@@ -457,7 +457,7 @@ def _tiled_int8_layout(codes: torch.Tensor, width: int) -> torch.Tensor:
 
 class W8A8Linear(QuantizedLinear):
     """int8 weights (per output channel) times int8 activations (per token, quantized on the
-    fly), accumulated in int32 by `torch._int_mm`, rescaled to fp32. On a CPU below avx512_bf16
+    fly), accumulated in int32 by `torch._int_mm`, rescaled to fp32. On a CPU below avx512_vnni
     (no VNNI) oneDNN's int8 matmul saturates, so the codes are kept as fp32 and multiplied in
     fp32 instead: the same integer products, no memory saving (weight-only int8 is the fast
     format there)."""

@@ -62,8 +62,8 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     if qconfig is None:
         method_of = lambda name: None  # noqa: E731
     elif qconfig.method == AUTO:
-        # int6 where its kernel is the level's integer kernel (avx2/avx512); at avx512_bf16 the int8
-        # tiles' bf16 products run many rows twice as fast, so Q6_K stays int8 there
+        # int6 where its kernel is the level's integer kernel (avx2 to avx512_vnni); at avx512_bf16
+        # the int8 tiles' bf16 products run many rows twice as fast, so Q6_K stays int8 there
         int6 = (device.type == "cpu" and cpu_kernels is not None and cpu_kernels.gemv_supported()
                 and not cpu_kernels.native_bf16())
         methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name, int6)
