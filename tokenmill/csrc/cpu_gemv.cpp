@@ -430,8 +430,10 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
               "packed: uint8 [N/", width, ", K/", 64 / width, ", 32]");
   if (pairs.scalar_type() == at::kByte) {
     TORCH_CHECK(width == 8 && group_size == 32 && K % 256 == 0 && pairs.dim() == 3 &&
-                    pairs.size(0) == packed.size(0) && pairs.size(1) == K / 256 && pairs.size(2) == 128,
-                "super-blocks: uint8 [N/8, K/256, 128] at width 8 (AVX2 and AVX-512 without BF16), group_size 32");
+                    pairs.size(0) == packed.size(0) && pairs.size(1) == K / 256 &&
+                    pairs.size(2) == tokenmill::avx2::kQ4kSuperBlockBytes,
+                "super-blocks: uint8 [N/8, K/256, ", tokenmill::avx2::kQ4kSuperBlockBytes,
+                "] at width 8 (AVX2 and AVX-512 without BF16), group_size 32");
     return packed.size(0) * width;
   }
   TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
@@ -532,8 +534,8 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
               "high: uint8 [N/8, K/16, 32]");
   if (scales.scalar_type() == at::kByte) {
     TORCH_CHECK(K % 256 == 0 && scales.dim() == 3 && scales.size(0) == low.size(0) && scales.size(1) == K / 256 &&
-                    scales.size(2) == 144,
-                "super-blocks: uint8 [N/8, K/256, 144], K a multiple of 256");
+                    scales.size(2) == tokenmill::avx2::kQ6kSuperBlockBytes,
+                "super-blocks: uint8 [N/8, K/256, ", tokenmill::avx2::kQ6kSuperBlockBytes, "], K a multiple of 256");
   } else {
     TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == low.size(0) &&
                     scales.size(1) == K / 16 && scales.size(2) == 8,

@@ -347,7 +347,7 @@ struct Pairs {
 // of top byte i % 32: four 32-byte ORs of masked 16-bit shifts (bytes do not mix) unpack all 128.
 struct SuperBlocks {
   static constexpr int64_t kBlocks = 8;  // blocks of 32 per super-block of 256
-  static constexpr int64_t kBytes = 32 + 64 + 32;  // a tile's super-block: d and m, the low 4 bits, the top 2
+  static constexpr int64_t kBytes = kQ4kSuperBlockBytes;  // d and m, the low 4 bits, the top 2
   const uint8_t* p;
   int64_t block = 0;
   __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
@@ -512,7 +512,7 @@ struct GroupScales {
 // exactly the file's, at 6.5625 bits a weight.
 struct Int6SuperBlocks {
   static constexpr int64_t kGroups = 16;  // groups of 16 per super-block of 256
-  static constexpr int64_t kBytes = 16 + kGroups * 8;
+  static constexpr int64_t kBytes = kQ6kSuperBlockBytes;  // d, then kGroups x 8 factors
   const uint8_t* p;
   int64_t group = 0;
   __m256 d = _mm256_setzero_ps();

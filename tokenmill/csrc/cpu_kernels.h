@@ -47,6 +47,12 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 // cpu_gemv_avx2.cpp: the quantized matmuls of the AVX2 level, for cpu_gemv.cpp's entry points
 // (arguments checked there; x fp32 [M, K]; y fp32 [M, N]).
 namespace tokenmill::avx2 {
+// Bytes per tile of 8 output channels and super-block of 256 input channels in the GGUF factor
+// tables (layers/linear.py _tiled_int4_super_blocks, _tiled_int6_super_blocks): Q4_K's 8 fp16 d
+// and 8 fp16 m, then 128 six-bit factors in 96 bytes; Q6_K's 8 fp16 d, then 16 groups' 8 int8
+// factors.
+constexpr int64_t kQ4kSuperBlockBytes = 32 + 64 + 32;
+constexpr int64_t kQ6kSuperBlockBytes = 16 + 16 * 8;
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 
@@ -15,6 +16,15 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _done = False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, or None where it cannot be opened."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
 
 
 def keep_large_allocations_in_heap(threshold_bytes: int = 1 << 30) -> bool:
@@ -29,14 +39,14 @@ def keep_large_allocations_in_heap(threshold_bytes: int = 1 << 30) -> bool:
     global _done
     if _done:
         return True
-    name = ctypes.util.find_library("c")
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(name)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold_bytes) == 1
-    except (OSError, AttributeError):
+        ok = (libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
+              and libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold_bytes) == 1)
+    except AttributeError:  # a C library without mallopt (not glibc)
         ok = False
     if not ok:
-        logger.debug("mallopt unavailable (libc %s): leaving the allocator as it is", name)
+        logger.debug("mallopt unavailable (libc %s): leaving the allocator as it is", libc)
     _done = ok
     return ok
 
@@ -138,7 +148,9 @@ def _release_free_heap() -> None:
     """Hand the heap's free pages back to the OS (`malloc_trim`): the weights' old homes, which
     `keep_large_allocations_in_heap` would otherwise keep as resident memory. A no-op where glibc
     is not the allocator."""
+    libc = _libc()
     try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError):
+        if libc is not None:
+            libc.malloc_trim(0)
+    except AttributeError:  # a C library without malloc_trim (not glibc)
         pass
