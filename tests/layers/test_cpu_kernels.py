@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.layers.levels import kernel_test_levels
 from tests.layers.test_attention import random_step, reference
 from tokenmill.layers import cpu_kernels
 from tokenmill.layers.attention import TorchAttentionBackend, prefill_kernel_takes
@@ -372,8 +373,9 @@ def random_int4(out_features: int, in_features: int, group_size: int, g: torch.G
     return codes, record, scales, mins
 
 
-# The matmul kernels at every level this CPU executes (an AVX-512 machine checks the AVX2 code too).
-MATMUL_LEVELS = [isa for isa in cpu_kernels.loadable_levels() if isa != "generic"]
+# The matmul kernels at every level this CPU executes (an AVX-512 machine checks the AVX2 code too;
+# kernel_test_levels says which are left out).
+MATMUL_LEVELS = kernel_test_levels()
 
 
 @pytest.fixture(params=MATMUL_LEVELS)
@@ -681,16 +683,17 @@ def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
 
 
 def test_vnni_adds_the_same_integer_sums_as_vpmaddubsw():
-    """avx512_vnni multiplies bytes with vpdpbusd in the int8 and int6 kernels, avx512 with
-    vpmaddubsw + vpmaddwd: the same products and sums, so int8, int6 and int4 (bf16 pairs and
-    Q4_K factors; vpmaddubsw at both) give the same bits at both levels, at few rows and many,
-    codes at the ends of their ranges included."""
+    """avx512_vnni multiplies bytes with vpdpbusd in the int8 and int6 kernels, avx2 with
+    vpmaddubsw + vpmaddwd: the same products and sums, and the same FP epilogue, so int8, int6
+    and int4 (bf16 pairs and Q4_K factors; vpmaddubsw at both) give the same bits at both levels,
+    at few rows and many, codes at the ends of their ranges included: an AVX2 host and an
+    Ice Lake one serve the same outputs."""
     from tokenmill.layers.linear import Int4Linear, Int6Linear, Int8Linear
     from tokenmill.quantization.formats import quantize_int8
 
-    if not {"avx512", "avx512_vnni"} <= set(MATMUL_LEVELS):
-        pytest.skip(f"needs the avx512 and avx512_vnni levels (this host runs {MATMUL_LEVELS})")
-    plain, vnni = (cpu_kernels.load(isa) for isa in ("avx512", "avx512_vnni"))
+    if not {"avx2", "avx512_vnni"} <= set(MATMUL_LEVELS):
+        pytest.skip(f"needs the avx2 and avx512_vnni levels (this host runs {MATMUL_LEVELS})")
+    plain, vnni = (cpu_kernels.load(isa) for isa in ("avx2", "avx512_vnni"))
     assert (plain.integer_dot(), vnni.integer_dot()) == ("vpmaddubsw", "vpdpbusd")
     g = torch.Generator().manual_seed(0)
     int4 = random_int4(64, 768, 32, g)[1]

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from tests.layers.levels import kernel_test_levels
 from tokenmill.layers import cpu_kernels
 from tokenmill.layers.sampler import (
     Sampler,
@@ -22,8 +23,8 @@ def row(prompt=(), output=(), eos=(EOS,), **params) -> SamplingRow:
     return SamplingRow(SamplingParams(**params), list(prompt), list(output), list(eos))
 
 
-# The compiled levels the kernel tests build anyway (the generic build is not compiled by the suite).
-KERNEL_LEVELS = [isa for isa in cpu_kernels.loadable_levels() if isa != "generic"]
+# The compiled levels the kernel tests build anyway.
+KERNEL_LEVELS = kernel_test_levels()
 
 
 @pytest.fixture(params=["torch", *KERNEL_LEVELS])
