@@ -55,23 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def int6_record(w):
-    """w [N, K] as an int6 record: symmetric groups of 16, codes 0..63 around 32."""
-    import torch
-
-    groups = w.view(w.shape[0], -1, 16)
-    scales = groups.abs().amax(-1).clamp_min(1e-8) / 31
-    codes = (torch.round(groups / scales[..., None]) + 32).clamp(0, 63).to(torch.uint8)
-    return {"codes": codes.view_as(w), "scales": scales}
-
-
 def build_layers(module, weights: list, fmt: str) -> list:
     from tokenmill.layers.linear import Int4Linear, Int6Linear, Int8Linear
     from tokenmill.quantization.formats import record_from_rtn
 
-    if fmt == "int6":
-        return [Int6Linear(int6_record(w), None, kernels=module) for w in weights]
-    cls = Int4Linear if fmt == "int4" else Int8Linear
+    cls = {"int4": Int4Linear, "int8": Int8Linear, "int6": Int6Linear}[fmt]
     return [cls(record_from_rtn(fmt, w, 32), None, kernels=module) for w in weights]
 
 
@@ -79,13 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from tokenmill.layers import cpu_isa, cpu_kernels
+    from tokenmill.layers import cpu_kernels
 
-    modules = {}
+    modules, runnable = {}, cpu_kernels.loadable_levels()
     for level in args.levels:
-        cpu_isa.check_isa("--levels", level)
-        if not cpu_isa.runs_here(level) or cpu_isa.ISA_LEVELS.index(level) > cpu_isa.ISA_LEVELS.index(cpu_isa.host_isa()):
-            raise SystemExit(f"--levels: this process runs up to {cpu_isa.host_isa()}, not {level}")
+        if level not in runnable:
+            raise SystemExit(f"--levels: {level!r} is not a level this process runs ({', '.join(runnable)})")
         modules[level] = cpu_kernels.load(level)
         if modules[level] is None or not modules[level].gemv_supported():
             raise SystemExit(f"CPU kernels ({level}) without the quantized matmuls: {cpu_kernels.build_error(level)}")

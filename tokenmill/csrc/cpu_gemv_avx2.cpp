@@ -2,7 +2,7 @@
 // kernels behind int8_linear / int4_linear / int8_gemm (cpu_gemv.cpp) at the avx2, avx512 and
 // avx512_vnni levels (and int6_linear at every level from avx2 up). Activations are fp32 (dtype
 // "auto" on these CPUs). At avx512_vnni the int8 and int6 kernels add byte products with
-// vpdpbusd (dot4_add and int6_tile); int4 keeps vpmaddubsw (int4_block_sums).
+// vpdpbusd (dot4_add, dot8_add); int4 keeps vpmaddubsw (int4_block_sums).
 //
 // Integer products, as llama.cpp does: each row of x is quantized to int8 per block of 32 values
 // (d = absmax / 127, codes round(x / d)) and multiplied with the weight codes by vpmaddubsw
@@ -92,6 +92,25 @@ constexpr int kChains = 2;
 #else
 constexpr int kChains = 1;
 #endif
+
+// sums[0 .. kChains - 1] + the products of u1 with s1 and of u2 with s2 (as dot4_add): with VNNI
+// one vpdpbusd into each chain; without, the two int16 pair sums are added before one vpmaddwd,
+// which the caller's operands leave room for (each pair below 16384).
+inline void dot8_add(__m256i* sums, __m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+#ifdef TOKENMILL_VNNI
+  sums[0] = _mm256_dpbusd_epi32(sums[0], u1, s1);
+  sums[1] = _mm256_dpbusd_epi32(sums[1], u2, s2);
+#else
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+  sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// The total of a row's kChains sums.
+inline __m256i chains_total(const __m256i* sums) {
+  if constexpr (kChains == 2) return _mm256_add_epi32(sums[0], sums[1]);
+  return sums[0];
+}
 
 // x [M, K] fp32 as int8 codes per block of 32: q [M, K], d [M, K/32] (the block's scale), and
 // for int4 and int6 terms [M, K/32, 8]: the block's scale again, its exact fp32 sum, 8 x scale x
@@ -269,9 +288,7 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      __m256i sum = part[r][0];
-      if constexpr (kChains == 2) sum = _mm256_add_epi32(sum, part[r][1]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dr[r][b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chains_total(part[r])), _mm256_set1_ps(dr[r][b]), acc[r]);
     }
   }
   const __m256 s8 = _mm256_loadu_ps(scale + n0);
@@ -296,17 +313,16 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
 //   bytes; scale = d sc, min = m mn, exactly as the file has them, at the file's 4.5 bits a
 //   weight.
 
-// Block b's products of rows r0 .. r0 + R - 1 with the tile's codes w (the block's 128 bytes):
-// isum[r], each channel's sum in its 32-bit lane. The products are added as int16 (vpmaddubsw,
-// vpaddw) and widened once at the end (vpmaddwd), at every level: vpdpbusd (avx512_vnni) would
-// take the same one multiply-port slot per 32 products, and measured 0.97-1.02x of this at 16-512
-// rows (benchmarks/cpu_levels.py).
+// Adds block b's products of rows r0 .. r0 + R - 1 with the tile's codes w (the block's 128
+// bytes) into part[r], as int16 sums, at every level: vpdpbusd (avx512_vnni) would take the same
+// one multiply-port slot per 32 products, and measured 0.97-1.02x of this at 16-512 rows
+// (benchmarks/cpu_levels.py).
 template <int R>
-inline void int4_block_sums(const int8_t* const* xr, int64_t b, const uint8_t* w, __m256i* isum) {
+inline void int4_block_sums(const int8_t* const* xr, int64_t b, const uint8_t* w, __m256i* part) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
-  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
   // (not unrolled: unrolled, the compiler hoists every product and spills them)
 #pragma GCC unroll 1
   for (int s = 0; s < 4; ++s) {
@@ -316,11 +332,10 @@ inline void int4_block_sums(const int8_t* const* xr, int64_t b, const uint8_t* w
     for (int r = 0; r < R; ++r) {
       // x's 4 codes to every lane: a broadcast load (vbroadcastss), no trip through a scalar register
       const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
-      isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))));
-      isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
+      part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(x4))));
+      part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1))));
     }
   }
-  for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
 }
 
 // The factors of a tile's blocks in order, one block a call of next(scale, min).
@@ -388,6 +403,7 @@ struct SuperBlocks {
 template <int R, typename Factors>
 void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factors factors, float* y, int64_t N,
                int64_t n0) {
+  const __m256i ones = _mm256_set1_epi16(1);
   const __m256 eight = _mm256_set1_ps(8.f);
   const int8_t* xr[R];
   const float* tr[R];
@@ -407,7 +423,7 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factor
     for (int r = 0; r < R; ++r) {
       // scale (d isum - 8 d csum) + z sum, with 8 d csum from the terms: three FP operations
       const float* t = tr[r] + b * QuantizedRows::kTerms;
-      const __m256 isum = _mm256_cvtepi32_ps(part[r]);
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(part[r], ones));
       const __m256 centred = _mm256_fmsub_ps(isum, _mm256_broadcast_ss(t), _mm256_broadcast_ss(t + 2));
       acc[r] = _mm256_fmadd_ps(scale, centred, acc[r]);
       acc[r] = _mm256_fmadd_ps(zero_point, _mm256_broadcast_ss(t + 1), acc[r]);
@@ -448,17 +464,13 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(h + kPrefetchBytes / 2), _MM_HINT_T0);
-    __m256i isum[R];
-#ifdef TOKENMILL_VNNI
-    __m256i odd[R];  // the high 4 input channels' products: a second vpdpbusd chain (kChains)
-#endif
+    __m256i isum[R][kChains];  // the group's sums (dot8_add)
 #pragma GCC unroll 1
     for (int s = 0; s < 4; ++s) {
       if (!(s & 1)) {
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-#ifdef TOKENMILL_VNNI
-        for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_si256();
-#endif
+        for (int r = 0; r < R; ++r) {
+          for (int c = 0; c < kChains; ++c) isum[r][c] = _mm256_setzero_si256();
+        }
       }
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * kBlock));
       __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + (s >> 1) * kBlock));
@@ -469,26 +481,16 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
-        const __m256i xa = _mm256_castps_si256(_mm256_broadcast_ss(x4)), xb = _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1));
-#ifdef TOKENMILL_VNNI
-        isum[r] = _mm256_dpbusd_epi32(isum[r], lo, xa);
-        odd[r] = _mm256_dpbusd_epi32(odd[r], hi, xb);
-#else
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa),
-                                                                               _mm256_maddubs_epi16(hi, xb)),
-                                                              _mm256_set1_epi16(1)));
-#endif
+        dot8_add(isum[r], lo, _mm256_castps_si256(_mm256_broadcast_ss(x4)), hi,
+                 _mm256_castps_si256(_mm256_broadcast_ss(x4 + 1)));
       }
       if (s & 1) {  // the group's end: scale (d isum - 32 d csum)
         const __m256 scale = scales.next();
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const float* t = tr[r] + b * QuantizedRows::kTerms;
-#ifdef TOKENMILL_VNNI
-          isum[r] = _mm256_add_epi32(isum[r], odd[r]);
-#endif
           const __m256 centred =
-              _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_broadcast_ss(t), _mm256_broadcast_ss(t + 3 + (s >> 1)));
+              _mm256_fmsub_ps(_mm256_cvtepi32_ps(chains_total(isum[r])), _mm256_broadcast_ss(t), _mm256_broadcast_ss(t + 3 + (s >> 1)));
           acc[r] = _mm256_fmadd_ps(scale, centred, acc[r]);
         }
       }
