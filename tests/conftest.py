@@ -65,14 +65,30 @@ def hf_model(default_model_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint) -> Path:
+def test_tokenizer():
+    """The default model's tokenizer (SmolLM2's); on a machine without the default model (a GPU
+    machine reached without network, scripts/gpu_run.py) the same tokenizer saved to the directory
+    TOKENMILL_TEST_TOKENIZER names. Shared: do not mutate it."""
+    saved = os.environ.get("TOKENMILL_TEST_TOKENIZER")
+    try:
+        return load_checkpoint(resolve_model(DEFAULT_MODEL)).tokenizer
+    except ModelNotFoundError as exc:
+        if not saved:
+            pytest.skip(f"default model unavailable and TOKENMILL_TEST_TOKENIZER not set: {exc}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(saved)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, test_tokenizer) -> Path:
     """A complete Hugging Face directory of a tiny random Qwen2 (2 layers, hidden 64, untied
     head, non-zero q/k/v biases) with the default model's tokenizer. generation_config.json
     lists eos ids [2, 0], so the loader must merge it with config.json's eos 2."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     directory = tmp_path_factory.mktemp("tiny_qwen2")
-    tokenizer = default_checkpoint.tokenizer
+    tokenizer = test_tokenizer
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -87,8 +87,8 @@ def make_checkpoint(directory, config, tokenizer) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_logits_and_greedy_match_hf(family, default_checkpoint, tmp_path, monkeypatch):
-    make_checkpoint(tmp_path, FAMILIES[family](), default_checkpoint.tokenizer)
+def test_family_logits_and_greedy_match_hf(family, test_tokenizer, tmp_path, monkeypatch):
+    make_checkpoint(tmp_path, FAMILIES[family](), test_tokenizer)
     device = EngineConfig().resolved_device()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
                                                            attn_implementation="eager").to(device).eval()
@@ -96,7 +96,7 @@ def test_family_logits_and_greedy_match_hf(family, default_checkpoint, tmp_path,
     spy = LastLogits(llm.engine.core.runner.sampler)
     monkeypatch.setattr(llm.engine.core.runner, "sampler", spy)
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, len(default_checkpoint.tokenizer), (n,), generator=gen).tolist() for n in (3, 20, 45)]
+    prompts = [torch.randint(3, len(test_tokenizer), (n,), generator=gen).tolist() for n in (3, 20, 45)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     worst = 0.0
     with torch.inference_mode():

@@ -9,8 +9,9 @@ prefill with prompt logprobs, all windows in one batch) within 0.5% of HF's.
 
 Both engines run on the device tokenmill picks by default (a CUDA GPU when there is one, where
 these tests are the GPU parity check); logits are compared on the CPU. Qwen2.5-Coder-1.5B, on
-request: TOKENMILL_QWEN_GGUF=path/to/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf (see MODELS.md;
-`benchmarks/gpu_kit.py pack --qwen` assembles it).
+request: TOKENMILL_QWEN_GGUF=path/to/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf (see MODELS.md).
+On a GPU machine without the model files, benchmarks/gpu_parity.py checks the same parity on
+random-weight models of real shapes (scripts/gpu_run.sh).
 """
 
 from __future__ import annotations
