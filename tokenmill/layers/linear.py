@@ -25,9 +25,18 @@ speed where PyTorch's kernels do not (1.3-1.6x on the default model's matrices a
 rows keep PyTorch's kernels, except many rows of int8 (above `max_rows`: `int8_gemm`), at a bf16
 matmul's speed. The int4 layer runs tokenmill's `int4_linear` at every row count (one kernel over
 a layout of its own, without PyTorch's packed copy).
+
+On CUDA the int8 and int4 layers choose a kernel per call by row count (`cuda_int8_kernel`,
+`cuda_int4_kernel`), from the thresholds of one table, `CUDA_GEMM_ROWS`: PyTorch's weight-only
+kernel for decode's few rows, the Triton GEMM that dequantizes the weight inside its K loop
+(`layers.triton_gemm`) above, and for int8 with many rows the weight dequantized to bf16 and a
+cuBLAS matmul.
 """
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +136,72 @@ class QuantizedLinear(nn.Module):
         return None
 
 
+class CudaKernel(enum.Enum):
+    """What runs a weight-only int8 / int4 layer's matmul on CUDA."""
+
+    TORCH = "torch"  # PyTorch's weight-only kernel: _weight_int8pack_mm (no tensor cores) / tinygemm's _weight_int4pack_mm
+    TRITON = "triton"  # layers.triton_gemm: the weight dequantized inside the K loop, tensor-core dots
+    DEQUANTIZED = "dequantized"  # int8: the weight dequantized to bf16 per call, F.linear; int4: a bf16 copy kept
+    INT_MM = "int_mm"  # int8: activations quantized per token, torch._int_mm (w8a8 numerics: opt-in)
+
+
+@dataclass(frozen=True)
+class CudaGemmRows:
+    """Row-count thresholds of the weight-only layers' kernels on CUDA (`cuda_int8_kernel`,
+    `cuda_int4_kernel`). A kernel's range may be empty (a max of 0, or no higher than the max
+    before it); ANY_ROWS stands for every row count.
+
+    The defaults are not measured here; they follow public practice: PyTorch's weight-only
+    kernels (gpt-fast's int8 and tinygemm int4) are made for batch-1 decode and lose to tensor
+    cores beyond a few rows, so they take up to 16; a fused dequant-in-the-loop GEMM beats
+    dequantize-then-matmul while the matmul is not compute-bound (vLLM's AWQ layer switches to
+    dequantize + matmul from 256 tokens), so Triton up to 255 rows. `benchmarks/cuda_quant_gemm.py`
+    times every candidate on the GPU at 1-1024 rows and writes the thresholds it recommends into
+    its JSON report ("recommended"), field for field."""
+
+    int8_torch_max_rows: int = 16  # _weight_int8pack_mm up to this many rows
+    int8_triton_max_rows: int = 255  # the Triton GEMM up to this many; dequantize + F.linear above
+    # From this many rows torch._int_mm on activations quantized per token, where a layer allows
+    # it (Int8Linear(int8_activations=True)): int8 tensor cores at twice the bf16 rate pay for the
+    # quantization's extra passes once the matmul is compute-bound.
+    int8_int_mm_min_rows: int = 128
+    # tinygemm up to this many rows where the shape fits it, the Triton GEMM above. Every row count
+    # by default: a layer whose kernels split the rows keeps the codes in both layouts (a byte a
+    # weight instead of half), which only a measured prefill gain would pay for.
+    int4_tinygemm_max_rows: int = ANY_ROWS
+
+    def __post_init__(self):
+        for name in ("int8_torch_max_rows", "int8_triton_max_rows", "int8_int_mm_min_rows", "int4_tinygemm_max_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"CudaGemmRows.{name} must be an int >= 0, got {value!r}")
+
+
+CUDA_GEMM_ROWS = CudaGemmRows()
+
+
+def cuda_int8_kernel(rows: int, table: CudaGemmRows = CUDA_GEMM_ROWS, int8_activations: bool = False) -> CudaKernel:
+    """The kernel of an int8 layer's matmul of `rows` rows on CUDA: _int_mm where allowed from
+    its min rows; else PyTorch's up to its max, Triton up to its max, dequantized above."""
+    if int8_activations and rows >= table.int8_int_mm_min_rows:
+        return CudaKernel.INT_MM
+    if rows <= table.int8_torch_max_rows:
+        return CudaKernel.TORCH
+    if rows <= table.int8_triton_max_rows:
+        return CudaKernel.TRITON
+    return CudaKernel.DEQUANTIZED
+
+
+def cuda_int4_kernel(rows: int, table: CudaGemmRows = CUDA_GEMM_ROWS, tinygemm_fits: bool = True,
+                     triton_fits: bool = True) -> CudaKernel:
+    """The kernel of an int4 layer's matmul of `rows` rows on CUDA, given which kernels take
+    its shape: tinygemm up to its max rows (every row count where Triton does not fit), Triton
+    above and wherever tinygemm does not fit, the bf16 copy where neither does."""
+    if tinygemm_fits and (rows <= table.int4_tinygemm_max_rows or not triton_fits):
+        return CudaKernel.TORCH
+    return CudaKernel.TRITON if triton_fits else CudaKernel.DEQUANTIZED
+
+
 # At avx512_bf16, from how many rows Int8Linear runs `kernels.int8_gemm` rather than PyTorch's
 # `_weight_int8pack_mm`: on the default model's layer matrices (2 cores, Zen 5) the two are even
 # at 8 rows and int8_gemm is 1.3-1.6x faster at 12 to 16, level with a bf16 matmul; end to end
@@ -146,9 +221,16 @@ class Int8Linear(QuantizedLinear):
     tiles of output channels (`_tiled_int8_layout`, the only copy kept): no transposes or
     repacking per call. At avx512_bf16 (tiles of 16) on the default model's matrices (2 cores,
     Zen 5) never slower than the bf16 layer (0.5x its time at 1 row, 0.4x at 4-8, 0.6-0.95x from
-    12 to 64, 0.67x at 256); at avx2 tiles of 8 with x in int8 per block of 32 (vpmaddubsw)."""
+    12 to 64, 0.67x at 256); at avx2 tiles of 8 with x in int8 per block of 32 (vpmaddubsw).
 
-    def __init__(self, record, bias, max_rows: int = 16, kernels=None):
+    On CUDA the kernel is `cuda_int8_kernel`'s by row count and `cuda_rows` (max_rows is not
+    used): `_weight_int8pack_mm`, the Triton GEMM (`triton_gemm.int8_gemm`, on the same codes)
+    or the weight dequantized per call; with `int8_activations`, from the table's
+    int8_int_mm_min_rows `torch._int_mm` on activations quantized per token (w8a8's numerics,
+    `int8_activation_matmul`: faster prefill for w8a8's accuracy cost, so only on request)."""
+
+    def __init__(self, record, bias, max_rows: int = 16, kernels=None, int8_activations: bool = False,
+                 cuda_rows: CudaGemmRows = CUDA_GEMM_ROWS):
         super().__init__(record, bias, torch.bfloat16)
         self.codes = record["codes"]
         self.in_features = self.codes.shape[1]
@@ -157,6 +239,16 @@ class Int8Linear(QuantizedLinear):
         self.kernel = None
         self.kernel_max_rows = 0
         self.tiles = None
+        if int8_activations and self.codes.device.type != "cuda":
+            raise ValueError(f"Int8Linear: int8_activations runs on CUDA only, the weight is on {self.codes.device}")
+        # (CUDA's _int_mm takes in and out features that are multiples of 8: other layers stay weight-only)
+        self.int8_activations = int8_activations and self.codes.shape[0] % 8 == 0 and self.in_features % 8 == 0
+        self.cuda_rows = None  # on CUDA: the row thresholds of the layer's kernels
+        if self.codes.device.type == "cuda":
+            from tokenmill.layers.triton_gemm import int8_gemm  # (Triton: CUDA builds of torch bring it)
+
+            self.cuda_rows, self.triton_gemm = cuda_rows, int8_gemm
+            self.codes = self.codes.contiguous()
         if kernels is not None and self.codes.device.type == "cpu" and _int8_tiles_fit(kernels, *self.codes.shape):
             self.kernel, self.tiles, self.codes = kernels, _tiled_int8_layout(self.codes, _tile_width(kernels)), None
         elif (kernels is not None and self.codes.device.type == "cpu" and kernels.gemv_supported()
@@ -175,6 +267,8 @@ class Int8Linear(QuantizedLinear):
         return self.codes.to(torch.bfloat16) * self.scales[:, None]
 
     def _matmul(self, x):
+        if self.cuda_rows is not None:
+            return self._cuda_matmul(x)
         if self.tiles is not None:
             return self.kernel.int8_tiled_linear(x.contiguous(), self.tiles, self.scales)
         rows = x.shape[0]
@@ -184,6 +278,17 @@ class Int8Linear(QuantizedLinear):
             return self.kernel.int8_gemm(x.contiguous(), self.codes, self.scales)
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if rows <= self.max_rows:
+            return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
+        return F.linear(xb, self.dequantized())
+
+    def _cuda_matmul(self, x):
+        kernel = cuda_int8_kernel(x.shape[0], self.cuda_rows, self.int8_activations)
+        if kernel is CudaKernel.TRITON:
+            return self.triton_gemm(x, self.codes, self.scales)
+        if kernel is CudaKernel.INT_MM:
+            return int8_activation_matmul(x, self.codes.t(), self.scales, CUDA_INT_MM_MIN_ROWS)
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if kernel is CudaKernel.TORCH:
             return torch.ops.aten._weight_int8pack_mm(xb, self.codes, self.scales)
         return F.linear(xb, self.dequantized())
 
@@ -208,11 +313,16 @@ class Int4Linear(QuantizedLinear):
     Q4_K tensor's record brings its own factors, which the kernel reads there in place of bf16
     scales and mins (`_tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5, and exact).
 
-    On CUDA: PyTorch's tinygemm kernel (`_weight_int4pack_mm`, same (scale, zero) table) when the
-    shape fits it (group size 32-256, in_features a multiple of 32, out_features of 8); else the
-    weight dequantized to bf16 once (correct, without int4's memory saving)."""
+    On CUDA the kernel is `cuda_int4_kernel`'s by row count and `cuda_rows`: PyTorch's tinygemm
+    (`_weight_int4pack_mm`) for few rows where the shape fits it (group size 32-256,
+    in_features a multiple of 32, out_features of 8), the Triton GEMM (`triton_gemm.int4_gemm`,
+    on the record's own codes and the same (scale, zero) table) above and for every shape
+    tinygemm refuses. Each kernel's copy of the codes is made only where the table gives it
+    rows: with both in use the codes are held twice (tinygemm's layout and the record's), one
+    byte a weight in all, half a byte with one. Off the CPU and CUDA, the weight dequantized to
+    bf16 once (correct, without int4's memory saving)."""
 
-    def __init__(self, record, bias, kernels=None):
+    def __init__(self, record, bias, kernels=None, cuda_rows: CudaGemmRows = CUDA_GEMM_ROWS):
         super().__init__(record, bias, torch.bfloat16)
         scales, mins = record["scales"], record["mins"]
         self.in_features = record["codes"].shape[1] * 2
@@ -221,19 +331,33 @@ class Int4Linear(QuantizedLinear):
         zeros = mins + 8 * scales
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.kernel = None
-        self.dense_weight = None  # off the CPU without tinygemm's shape: the dequantized bf16 weight
+        self.packed = None  # PyTorch's layout of the codes (CPU; tinygemm's on CUDA)
+        self.codes = None  # the record's codes, for the Triton GEMM (CUDA)
+        self.dense_weight = None  # where no kernel takes the shape: the dequantized bf16 weight
         self.padding = 0  # zero output channels after the real ones in PyTorch's CPU layout
-        if record["codes"].device.type != "cpu":
-            codes = unpack_int4(record["codes"])
-            inner_k_tiles = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
-            if (codes.device.type == "cuda" and inner_k_tiles is not None and codes.shape[0] % 8 == 0
-                    and self.group_size in (32, 64, 128, 256)):
+        self.cuda_rows = cuda_rows
+        device = record["codes"].device.type
+        inner_k_tiles = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
+        self.tinygemm_fits = (device == "cuda" and inner_k_tiles is not None and self.out_features % 8 == 0
+                              and self.group_size in (32, 64, 128, 256))
+        g = self.group_size
+        self.triton_fits = device == "cuda" and g >= 16 and g & (g - 1) == 0
+        if device != "cpu":
+            # The kernel changes once at most as rows grow: the ends of the range say which run.
+            ends = {cuda_int4_kernel(rows, cuda_rows, self.tinygemm_fits, self.triton_fits) for rows in (1, ANY_ROWS)}
+            if CudaKernel.TORCH in ends:
+                codes = unpack_int4(record["codes"])
                 # tinygemm's input: two codes a byte, the even-indexed one in the high nibble
                 pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
                 self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
-            else:
+            if CudaKernel.TRITON in ends:
+                from tokenmill.layers.triton_gemm import int4_gemm  # (Triton: CUDA builds of torch bring it)
+
+                self.codes, self.triton_gemm = record["codes"].contiguous(), int4_gemm
+            if CudaKernel.DEQUANTIZED in ends:
                 sz = self.scales_and_zeros.float()
-                self.dense_weight = dequantize_int4(codes - 8, sz[..., 0].t(), sz[..., 1].t()).to(torch.bfloat16)
+                self.dense_weight = dequantize_int4(unpack_int4(record["codes"]) - 8, sz[..., 0].t(),
+                                                    sz[..., 1].t()).to(torch.bfloat16)
             return
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)
@@ -259,11 +383,18 @@ class Int4Linear(QuantizedLinear):
     def _matmul(self, x):
         if self.kernel is not None:
             return self.kernel.int4_linear(x.contiguous(), self.kernel_codes, self.kernel_pairs, self.group_size)
+        if x.device.type != "cpu":
+            return self._cuda_matmul(x)
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if xb.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
-            return y[:, : self.out_features] if self.padding else y
-        if self.dense_weight is not None:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+        return y[:, : self.out_features] if self.padding else y
+
+    def _cuda_matmul(self, x):
+        kernel = cuda_int4_kernel(x.shape[0], self.cuda_rows, self.tinygemm_fits, self.triton_fits)
+        if kernel is CudaKernel.TRITON:
+            return self.triton_gemm(x, self.codes, self.scales_and_zeros, self.group_size)
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if kernel is CudaKernel.DEQUANTIZED:
             return F.linear(xb, self.dense_weight)
         return torch.ops.aten._weight_int4pack_mm(xb.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
@@ -467,21 +598,33 @@ class W8A8Linear(QuantizedLinear):
         self.codes_t = record["codes"].t().contiguous()  # [K, N]: _int_mm's layout
         self.in_features = self.codes_t.shape[0]
         self.scales = record["scales"].float()
-        # CUDA's _int_mm wants more than 16 rows: decode batches are padded up to that.
-        self.min_rows = 17 if self.codes_t.device.type == "cuda" else 1
+        self.min_rows = CUDA_INT_MM_MIN_ROWS if self.codes_t.device.type == "cuda" else 1
         self.float_codes_t = None
         if self.codes_t.device.type == "cpu" and not onednn_int8_exact(host_isa()):
             self.float_codes_t = self.codes_t.float()
 
     def _matmul(self, x):
-        codes, row_scales = quantize_rows_int8(x)
         if self.float_codes_t is not None:
+            codes, row_scales = quantize_rows_int8(x)
             return (codes.float() @ self.float_codes_t) * row_scales * self.scales
-        rows = codes.shape[0]
-        if rows < self.min_rows:
-            codes = F.pad(codes, (0, 0, 0, self.min_rows - rows))
-        acc = torch._int_mm(codes, self.codes_t)[:rows]
-        return acc.float() * row_scales * self.scales
+        return int8_activation_matmul(x, self.codes_t, self.scales, self.min_rows)
+
+
+# CUDA's _int_mm wants more than 16 rows: fewer are padded up to this many.
+CUDA_INT_MM_MIN_ROWS = 17
+
+
+def int8_activation_matmul(x: torch.Tensor, codes_t: torch.Tensor, scales: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """x [M, K] quantized per row to int8 (formats.quantize_rows_int8) times int8 codes_t [K, N]
+    (row- or column-major: a transposed [N, K] weight serves as it is) by `torch._int_mm` in
+    int32, rescaled by the row scales and the weight's `scales` [N]: fp32 [M, N]. Fewer than
+    `min_rows` rows are padded with zero rows for the matmul."""
+    codes, row_scales = quantize_rows_int8(x)
+    rows = codes.shape[0]
+    if rows < min_rows:
+        codes = F.pad(codes, (0, 0, 0, min_rows - rows))
+    acc = torch._int_mm(codes, codes_t)[:rows]
+    return acc.float() * row_scales * scales
 
 
 class Fp8Linear(QuantizedLinear):
