@@ -1,13 +1,14 @@
-"""Tool calling through the `openai` client against a real `tokenmill serve` whose chat template
-supports tools (`--chat-template`: Qwen2.5's Hermes-style template, written for the default
-model's ChatML tokens in data/hermes_tools.jinja): tools reach the prompt, the model's
-`<tool_call>` blocks come back as `message.tool_calls` (streamed as deltas the client
-assembles), and tool results are fed back through the template."""
+"""Tool calling through the `openai` client against a real `tokenmill serve` of the default
+model with no `--chat-template`: its own template ignores tools, so requests with tools are
+rendered with the shipped Hermes-style template (templates/hermes.jinja, Qwen2.5's; the prompts
+equal those of the reference data/hermes_tools.jinja, test_tool_calls.py). Tools reach the
+prompt, the model's `<tool_call>` blocks come back as `message.tool_calls` (streamed as deltas the
+client assembles), and tool results are fed back through the template. `--chat-template hermes`
+selects the same template by name for every request."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import openai
 import pytest
@@ -17,7 +18,6 @@ from tests.serving import BASE_FLAGS, MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}}
@@ -40,19 +40,29 @@ FEW_SHOT = [{"role": "user", "content": "Weather in Paris?"}, _called("Paris", 1
             {"role": "user", "content": "Weather in London?"}]
 
 
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="module")
-def tools_server(default_model_path, tmp_path_factory):
-    proc = ServerProcess(MODEL, *BASE_FLAGS, "--chat-template", str(TEMPLATE),
-                         log_path=tmp_path_factory.mktemp("tools_server") / "server.log")
+def client(server):
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def hermes_server(default_model_path, tmp_path_factory):
+    proc = ServerProcess(MODEL, *BASE_FLAGS, "--chat-template", "hermes",
+                         log_path=tmp_path_factory.mktemp("hermes_server") / "server.log")
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
 
 
-@pytest.fixture(scope="module")
-def client(tools_server):
-    return openai.OpenAI(base_url=f"{tools_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def prompt_of(client, messages: list[dict]) -> str:
+    """The prompt the server builds for messages (/tokenize renders as chat requests do)."""
+    tokens = client.post("/../tokenize", body={"messages": messages}, cast_to=object)["tokens"]
+    return client.post("/../detokenize", body={"tokens": tokens}, cast_to=object)["prompt"]
 
 
 def test_auto_tool_call_whole_and_streamed(client):
@@ -102,14 +112,12 @@ def test_tool_choice_none_and_no_parallel_calls(client):
     assert len(r.choices[0].message.tool_calls or []) <= 1
 
 
-def test_tool_results_are_fed_back_through_the_template(client, tools_server):
+def test_tool_results_are_fed_back_through_the_template(client):
     conversation = [*FEW_SHOT[:2], {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'}]
     r = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], max_tokens=16,
                                        temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    # the prompt the server built (/tokenize renders with the same template)
-    tokens = client.post("/../tokenize", body={"messages": conversation}, cast_to=object)["tokens"]
-    prompt = client.post("/../detokenize", body={"tokens": tokens}, cast_to=object)["prompt"]
+    prompt = prompt_of(client, conversation)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert '<|im_start|>user\n<tool_response>\n{"celsius": 21}\n</tool_response><|im_end|>' in prompt
 
@@ -136,12 +144,25 @@ def test_bad_tool_messages_are_a_400(client, messages, field):
     assert e.value.body["param"] == field
 
 
-def test_a_template_without_tools_refuses_them(server):
-    """The default model's own template ignores `tools`: rather than drop them, the server says so."""
-    default = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError) as e:
-        default.chat.completions.create(model=MODEL, messages=FEW_SHOT[-1:], tools=[WEATHER], max_tokens=1)
-    assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        default.chat.completions.create(model=MODEL, messages=FEW_SHOT[:3], max_tokens=1)
-    assert e.value.body["param"] == "messages.1"
+def test_the_server_says_once_that_tools_use_the_shipped_template(client, server):
+    lines = [line for line in server.log().splitlines() if "ignores tools" in line]
+    assert len(lines) == 1 and "'hermes'" in lines[0], lines
+    # a conversation without tools: the model's own prompt, its default system prompt included
+    assert prompt_of(client, FEW_SHOT[-1:]) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+                                                "trained by Hugging Face<|im_end|>\n<|im_start|>user\nWeather in "
+                                                "London?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_template_hermes_by_name(client, hermes_server):
+    """`--chat-template hermes`: every conversation through the shipped template, which renders
+    the default model's conversations as the fallback above does, tools or not."""
+    hermes = openai_client(hermes_server)
+    for messages in (FEW_SHOT, FEW_SHOT[-1:], [{"role": "system", "content": "Be brief."}, *FEW_SHOT[-1:]]):
+        assert prompt_of(hermes, messages) == prompt_of(client, messages)
+    r = hermes.chat.completions.create(model=MODEL, messages=FEW_SHOT[-1:], tools=[WEATHER, TIME],
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                       max_tokens=40, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
+    assert "ignores tools" not in hermes_server.log()  # the template was given: no stand-in

@@ -1,14 +1,25 @@
 """The tool-call parser and the tools / tool_choice checks on their own (no model): Hermes /
 Qwen2.5 `<tool_call>` blocks read whole and streamed a character at a time give the same
-content and calls."""
+content and calls. Then the chat templates on the default model's tokenizer: the shipped
+`hermes` template stands in for a ChatML model's own when tools come, rendering exactly what the
+reference Qwen2.5 template (data/hermes_tools.jinja) does; a template given to the server, or one
+that renders otherwise, gets no stand-in (a 400); `--chat-template` takes a name or a file."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.entrypoints.schema_check import SchemaError, _check, validate
+from tokenmill.entrypoints.openai.args import add_server_args
+from tokenmill.entrypoints.openai.chat import ChatTemplate
+from tokenmill.entrypoints.openai.protocol import ChatMessage, RequestFieldError
+from tokenmill.entrypoints.openai.templates import TEMPLATES_DIR, read_template
 from tokenmill.entrypoints.openai.tool_calls import (
     ToolCallParser,
     ToolError,
@@ -135,3 +146,89 @@ def test_template_tool_calls_parse_arguments():
 def test_tools_in_template():
     assert tools_in_template("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages }}")
     assert not tools_in_template("{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+# -- chat templates -----------------------------------------------------------------------------------
+
+REFERENCE = (Path(__file__).parent / "data" / "hermes_tools.jinja").read_text()
+CONVERSATIONS = {
+    "one-question": [{"role": "user", "content": "Weather in Paris?"}],
+    "system-prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}],
+    "tool-results": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"celsius": 21}'},
+        {"role": "tool", "tool_call_id": "c2", "content": '{"celsius": 25}'},
+        {"role": "assistant", "content": "Paris 21, Rome 25."},
+        {"role": "user", "content": "And Berlin?"}],
+}
+
+
+def _messages(conversation: list[dict]) -> list[ChatMessage]:
+    return [ChatMessage(**m) for m in conversation]
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required",
+                                         {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["no-tools", "auto", "none", "required", "named"])
+def test_shipped_template_stands_in_for_the_default_models_own(test_tokenizer, name, tool_choice):
+    own = ChatTemplate(test_tokenizer, None, "smollm2-135m")
+    assert not own.supports_tools and own.tools_template == read_template("hermes")
+    reference = ChatTemplate(test_tokenizer, REFERENCE, "smollm2-135m")  # SmolLM2's system prompt written in
+    by_name = ChatTemplate(test_tokenizer, read_template("hermes"), "smollm2-135m")  # --chat-template hermes
+    messages = _messages(CONVERSATIONS[name])
+    choice = None if tool_choice is None else check_tools([WEATHER, TIME], tool_choice)
+    prompt = reference.render(messages, choice)
+    assert own.render(messages, choice) == prompt and by_name.render(messages, choice) == prompt
+    if choice is not None and choice.mode != "none":
+        assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
+    if name != "tool-results" and (choice is None or choice.mode == "none"):  # the model's own template, as it is
+        assert prompt == test_tokenizer.apply_chat_template(CONVERSATIONS[name], tokenize=False,
+                                                            add_generation_prompt=True)
+
+
+def test_the_stand_in_is_logged_once(test_tokenizer, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenmill.entrypoints.openai.chat"):
+        ChatTemplate(test_tokenizer, None, "smollm2-135m")
+        ChatTemplate(test_tokenizer, REFERENCE, "smollm2-135m")
+    (record,) = caplog.records
+    assert "smollm2-135m's chat template ignores tools" in record.getMessage() and "'hermes'" in record.getMessage()
+
+
+BOS_CHATML = "{{ bos_token }}" + "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+PLAIN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+
+
+@pytest.mark.parametrize("given, own", [
+    ("own", None),  # the model's own template, given to the server: used as it is
+    (None, PLAIN),  # not ChatML
+    (None, BOS_CHATML),  # ChatML after a BOS token the shipped template does not write
+], ids=["given", "plain", "bos-chatml"])
+def test_without_a_stand_in_tools_are_a_400(test_tokenizer, caplog, given, own):
+    tokenizer = SimpleNamespace(chat_template=own or test_tokenizer.chat_template,
+                                apply_chat_template=test_tokenizer.apply_chat_template)
+    with caplog.at_level(logging.INFO, logger="tokenmill.entrypoints.openai.chat"):
+        template = ChatTemplate(tokenizer, test_tokenizer.chat_template if given else None, "m")
+    assert template.tools_template is None and not caplog.records
+    with pytest.raises(RequestFieldError) as e:
+        template.render(_messages(CONVERSATIONS["one-question"]), check_tools([WEATHER], "auto"))
+    assert e.value.field == "tools" and "--chat-template" in str(e.value) and "hermes" in str(e.value)
+    with pytest.raises(RequestFieldError) as e:
+        template.render(_messages(CONVERSATIONS["tool-results"]))
+    assert e.value.field == "messages.1"
+    assert template.render(_messages(CONVERSATIONS["one-question"]), check_tools([WEATHER], "none"))
+
+
+def test_chat_template_flag_takes_a_shipped_name_or_a_file(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert parser.parse_args(["--chat-template", "hermes"]).chat_template == str(TEMPLATES_DIR / "hermes.jinja")
+    mine = tmp_path / "mine.jinja"
+    mine.write_text(PLAIN)
+    assert parser.parse_args(["--chat-template", str(mine)]).chat_template == str(mine)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--chat-template", "hermes2"])
+    assert "no file 'hermes2', and not a shipped template (hermes)" in capsys.readouterr().err

@@ -119,6 +119,16 @@ def test_the_page_and_its_assets_are_served_and_load_nothing_from_another_host(s
     assert "/" not in paths and "/stats/stream" not in paths and "/v1/chat/completions" in paths
 
 
+def test_the_page_script_never_parses_text_as_html():
+    """Answers are Markdown built from text nodes (app.js: renderMarkdown): no API that parses a
+    string as HTML appears in the script, so nothing a model writes can become markup."""
+    script = (WEB_DIR / "app.js").read_text()
+    assert "function renderMarkdown(" in script and "textContent" in script
+    for api in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser",
+                "createContextualFragment", "srcdoc", "eval(", "new Function"):
+        assert api not in script, api
+
+
 @pytest.mark.slow
 def test_the_stats_stream_carries_every_step_of_a_load(server):
     before = scrape_metrics(server.url)

@@ -1,11 +1,13 @@
 """The web page in a real browser: headless Chromium (the system's: Debian's `chromium`) driven
 by Playwright against a real server. A chat streams its answer with TTFT and tokens/s under it
-and survives a reload; Stop aborts the request in the engine; the engine view follows a load
+and survives a reload; an answer's Markdown is rendered (lists, code blocks, links) and markup in
+it never becomes HTML; Stop aborts the request in the engine; the engine view follows a load
 (its charts drawn); with `--api-key` the page asks for the key and both views work with it.
 Skipped, naming what is missing, where Playwright or Chromium is not installed."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -73,6 +75,66 @@ def test_a_chat_streams_its_answer_with_timings_and_survives_a_reload(page, serv
     assert page.input_value("#max-tokens") == "16"
     page.click("#new-chat")
     assert page.locator(".msg").count() == 0
+
+
+# An answer as a model might stream it: markup meant to run, a numbered list, a fenced code block
+# holding markup, a link and a link that must not become one.
+MARKDOWN_ANSWER = ('Here is <img src=x onerror="window.__xss=1"> as text.\n\n'
+                   "Steps:\n1. Install it\n2. Run **it**\n3. Done\n\n"
+                   "```python\nprint('<b>hi</b>')\n```\n"
+                   "See [the docs](https://example.com/docs) or [this](javascript:window.__xss=2).")
+
+
+def sse_answer(text: str, piece: int = 7) -> str:
+    """A streamed chat completion of `text` in pieces of `piece` characters, as the server sends it."""
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    events += [{"choices": [{"index": 0, "delta": {"content": text[i:i + piece]}, "finish_reason": None}]}
+               for i in range(0, len(text), piece)]
+    events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+               {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 40, "total_tokens": 45}}]
+    return "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
+
+
+def check_markdown_answer(page) -> None:
+    answer = last_answer(page).locator(".text")
+    assert "<img src=x onerror=" in answer.inner_text()  # shown as the characters it is
+    assert page.locator(".msg img, .msg script, .msg [onerror]").count() == 0
+    assert page.evaluate("window.__xss") is None
+    assert answer.locator("ol > li").all_inner_texts() == ["Install it", "Run it", "Done"]
+    assert answer.locator("ol > li strong").inner_text() == "it"
+    code = answer.locator("pre > code")
+    assert code.inner_text() == "print('<b>hi</b>')" and code.get_attribute("class") == "language-python"
+    assert answer.locator("b").count() == 0
+    (link,) = answer.locator("a").all()
+    assert link.get_attribute("href") == "https://example.com/docs" and link.inner_text() == "the docs"
+    assert "noopener" in link.get_attribute("rel").split()
+    assert "[this](javascript:window.__xss=2)" in answer.inner_text()
+
+
+def test_an_answer_is_rendered_as_markdown_and_never_as_html(page, server):
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=sse_answer(MARKDOWN_ANSWER)))
+    open_page(page, server.url)
+    page.click("#new-chat")
+    send_chat(page, "Show me some Markdown.")
+    last_answer(page).locator(".meta").wait_for(state="visible")
+    check_markdown_answer(page)
+    page.reload()  # restored from local storage, rendered again
+    page.wait_for_selector(".msg.assistant pre")
+    check_markdown_answer(page)
+    # every prefix, as the answer is re-rendered while it streams: no element from its markup, no error
+    made = page.evaluate("""(text) => {
+        const made = [];
+        for (let n = 0; n <= text.length; n++) {
+            const div = document.createElement('div');
+            div.append(renderMarkdown(text.slice(0, n)));
+            if (div.querySelector('img, script, b, [onerror]')) made.push(n);
+        }
+        return made;
+    }""", MARKDOWN_ANSWER)
+    assert made == []
+    assert page.evaluate("window.__xss") is None
+    page.click("#new-chat")
 
 
 def test_stop_aborts_the_request_in_the_engine(page, server):

@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from pathlib import Path
 from types import UnionType
 from typing import Annotated, Union, get_args, get_origin
 
@@ -47,6 +46,7 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing
 from tokenmill.entrypoints.openai.stats_stream import DEFAULT_INTERVAL, MAX_INTERVAL, MIN_INTERVAL, StatsStream
+from tokenmill.entrypoints.openai.templates import read_template
 from tokenmill.entrypoints.openai.tool_calls import tools_in_template
 from tokenmill.entrypoints.web import web_routes
 
@@ -58,7 +58,7 @@ class ServerState:
         self.config = config
         self.model_name = config.served_model_name or engine_config.model
         # Read and parsed before the model loads, so that a missing or broken file stops the server at once.
-        self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
+        self.chat_template = read_template(config.chat_template) if config.chat_template else None
         if self.chat_template is not None:
             tools_in_template(self.chat_template)
         self.llm = AsyncLLM(engine_config, log_stats_interval=config.log_stats_interval,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from tokenmill.entrypoints.openai.templates import TOOLS_TEMPLATE, template_names, template_path
+
 # The default --max-prompt-chars per token of context: far above any real text's characters per
 # token, so a prompt it refuses would not have fit the context anyway; it keeps the tokenizer
 # from spending seconds of the event loop on a body-sized prompt.
@@ -28,7 +30,8 @@ class ServerConfig:
     # step runs longer than this many seconds; 0 = never.
     engine_step_timeout: float = 60.0
     log_stats_interval: float = 10.0
-    chat_template: str | None = None  # a Jinja file used instead of the model's chat template
+    # A Jinja file, or a shipped template's name (templates/), used instead of the model's chat template.
+    chat_template: str | None = None
     # Engine replicas behind one front end that routes by cached prefix and load (data_parallel.py).
     data_parallel_size: int = 1
     web_ui: bool = True  # the web page at / (entrypoints/web/)
@@ -39,6 +42,15 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _chat_template(text: str) -> str:
+    """A shipped template's name or a file, as the path of the file (checked here, so that a
+    typo stops the command at once)."""
+    path = template_path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no file {text!r}, and not a shipped template ({', '.join(template_names())})")
+    return str(path)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +80,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                              f"limit (default: {d.engine_step_timeout:g})")
     parser.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval,
                         help=f"seconds between engine stats log lines, 0 = off (default: {d.log_stats_interval:g})")
-    parser.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="a Jinja chat template file to use instead of the model's own (e.g. one that supports tools)")
+    parser.add_argument("--chat-template", type=_chat_template, default=None, metavar="NAME|FILE",
+                        help="the chat template to use instead of the model's own: a shipped template's name (one "
+                             f"of: {', '.join(template_names())}) or a Jinja file; {TOOLS_TEMPLATE} is Qwen2.5's "
+                             "Hermes-style tool-calling template in ChatML. Without this flag, requests with tools on "
+                             f"a model whose template ignores them are rendered with {TOOLS_TEMPLATE} where the "
+                             "model's template renders conversations as it does (ChatML; logged at start), and "
+                             "are a 400 elsewhere")
     parser.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=d.data_parallel_size,
                         help="engine replicas, each a whole server in its own process on 127.0.0.1 with "
                              "--num-threads / N CPU threads (a GPU each when N are visible), behind one front end on "

@@ -130,8 +130,8 @@ function addMessage(message) {
   const div = document.createElement("div");
   div.className = `msg ${message.role}`;
   const text = document.createElement("div");
-  text.className = "text";
-  text.textContent = message.content;
+  text.className = message.role === "assistant" ? "text md" : "text";
+  showText(text, message);
   const meta = document.createElement("div");
   meta.className = "meta";
   div.append(text, meta);
@@ -186,6 +186,10 @@ async function sendMessage(text) {
   page.chatRequest = controller;
   const sent = performance.now();
   let first = null, last = null, chunks = 0, usage = null, finish = null, error = null, stopped = false;
+  let shown = true;  // the answer's element shows answer.content (re-rendered at most once a frame)
+  const show = () => {
+    if (!shown) { shown = true; showText(textNode, answer); scroll(); }
+  };
   try {
     const response = await call("v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
@@ -206,8 +210,7 @@ async function sendMessage(text) {
         if (first === null) first = last;
         chunks += 1;
         answer.content += delta;
-        textNode.textContent = answer.content;
-        scroll();
+        if (shown) { shown = false; requestAnimationFrame(show); }
       }
     }
   } catch (e) {
@@ -215,6 +218,7 @@ async function sendMessage(text) {
     else error = e.message;
   }
   page.chatRequest = null;
+  show();
   const tokens = usage ? usage.completion_tokens : chunks;
   answer.stats = {
     ttft_ms: first === null ? null : first - sent,
@@ -239,6 +243,165 @@ function newChat() {
   for (const div of [...$("messages").querySelectorAll(".msg")]) div.remove();
   $("empty-chat").hidden = false;
   saveChat();
+}
+
+// -- Markdown ------------------------------------------------------------------------------------
+// Answers are shown as a subset of Markdown: paragraphs (a newline is a line break), headings,
+// **bold**, *italic*, `code`, fenced code blocks, ordered and unordered lists (nested by
+// indentation), rules, and links to absolute http(s) addresses. Safe by construction: the model's
+// text only ever becomes text nodes inside elements made here, never parsed as HTML, and the only
+// attributes set are a checked link's href, rel and target, a list's start and a code block's
+// language class; any other markup shows as the characters it is.
+
+const LINK_TARGET = /^https?:\/\/[^\s<>"]+$/i;
+const FENCE_OPEN = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
+const HEADING = /^ {0,3}(#{1,6})\s+(.*?)(?:\s+#+)?\s*$/;
+const RULE = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
+const LIST_ITEM = /^( *)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+const INLINE = [  // earliest match first; at the same place, the first listed
+  ["code", /(`+)(.*?[^`])\1(?!`)/],
+  ["link", /\[([^[\]]+)\]\(\s*<?([^\s()<>]+)>?\s*\)/],
+  ["strong", /\*\*(?=\S)(.*?\S)\*\*|(?<!\w)__(?=\S)(.*?\S)__(?!\w)/],
+  ["em", /\*(?=[^\s*])(.*?[^\s*])\*|(?<!\w)_(?=[^\s_])(.*?[^\s_])_(?!\w)/],
+];
+
+// The Markdown of `text` as a DocumentFragment.
+function renderMarkdown(text) {
+  const fragment = document.createDocumentFragment();
+  fragment.append(...markdownBlocks(text.replace(/\r\n?/g, "\n").split("\n")));
+  return fragment;
+}
+
+const leadingSpaces = (line) => line.length - line.trimStart().length;
+const startsBlock = (line) => FENCE_OPEN.test(line) || HEADING.test(line) || RULE.test(line) || LIST_ITEM.test(line);
+
+function element(tag, ...children) {
+  const node = document.createElement(tag);
+  node.append(...children);  // strings become text nodes
+  return node;
+}
+
+function markdownBlocks(lines) {
+  const nodes = [];
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    let match;
+    if (!line.trim()) {
+      i += 1;
+    } else if ((match = line.match(FENCE_OPEN))) {
+      const fence = match[1];
+      const closes = (l) => l.trim().startsWith(fence) && /^ {0,3}(`+|~+)\s*$/.test(l) && l.trim()[0] === fence[0];
+      const code = [];
+      for (i += 1; i < lines.length && !closes(lines[i]); i += 1) code.push(lines[i]);
+      i += 1;  // the closing fence (none yet while the answer streams)
+      nodes.push(codeBlock(code.join("\n"), match[2]));
+    } else if ((match = line.match(HEADING))) {
+      nodes.push(inline(match[2], element(`h${match[1].length}`)));
+      i += 1;
+    } else if (RULE.test(line)) {
+      nodes.push(element("hr"));
+      i += 1;
+    } else if (LIST_ITEM.test(line)) {
+      i = list(lines, i, nodes);
+    } else {
+      const paragraph = element("p");
+      do {
+        if (paragraph.firstChild) paragraph.append(element("br"));
+        inline(lines[i].trim(), paragraph);
+        i += 1;
+      } while (i < lines.length && lines[i].trim() && !startsBlock(lines[i]));
+      nodes.push(paragraph);
+    }
+  }
+  return nodes;
+}
+
+function codeBlock(text, language) {
+  const code = element("code", text);
+  if (/^[\w+#.-]+$/.test(language)) code.className = `language-${language}`;
+  return element("pre", code);
+}
+
+// The list starting at lines[start] appended to `nodes`; returns the index of the line after it.
+function list(lines, start, nodes) {
+  const [, indent, marker] = lines[start].match(LIST_ITEM);
+  const ordered = /\d/.test(marker);
+  const listNode = element(ordered ? "ol" : "ul");
+  if (ordered && parseInt(marker, 10) !== 1) listNode.start = parseInt(marker, 10);
+  let i = start;
+  for (;;) {
+    const item = lines[i].match(LIST_ITEM);
+    const contentIndent = item[1].length + item[2].length + 1;
+    const body = [item[3]];
+    for (i += 1; i < lines.length; i += 1) {
+      const line = lines[i];
+      let next = i;
+      while (next < lines.length && !lines[next].trim()) next += 1;
+      if (next > i) {  // blank lines: the item goes on if what follows is indented under it
+        if (next === lines.length || leadingSpaces(lines[next]) <= indent.length) break;
+        body.push(...lines.slice(i, next).map(() => ""));
+        i = next - 1;
+      } else if (leadingSpaces(line) > indent.length) {
+        body.push(line.slice(Math.min(leadingSpaces(line), contentIndent)));
+      } else if (!startsBlock(line) && body[body.length - 1].trim()) {
+        body.push(line.trim());  // a paragraph's lazy continuation
+      } else {
+        break;
+      }
+    }
+    const blocks = markdownBlocks(body);
+    const li = element("li");
+    if (blocks[0] && blocks[0].tagName === "P") li.append(...blocks.shift().childNodes);  // a tight item
+    li.append(...blocks);
+    listNode.append(li);
+    let next = i;
+    while (next < lines.length && !lines[next].trim()) next += 1;
+    const following = next < lines.length && lines[next].match(LIST_ITEM);
+    if (!following || following[1].length !== indent.length || /\d/.test(following[2]) !== ordered) break;
+    i = next;
+  }
+  nodes.push(listNode);
+  return i;
+}
+
+// The inline Markdown of one line appended to `parent`, which is returned.
+function inline(text, parent) {
+  while (text) {
+    let best = null;
+    for (const [kind, pattern] of INLINE) {
+      const match = pattern.exec(text);
+      if (match && (!best || match.index < best.match.index)) best = { kind, match };
+    }
+    if (!best) { parent.append(text); break; }
+    const { kind, match } = best;
+    parent.append(text.slice(0, match.index), inlineNode(kind, match));
+    text = text.slice(match.index + match[0].length);
+  }
+  return parent;
+}
+
+function inlineNode(kind, match) {
+  if (kind === "code") return element("code", match[2].replace(/^ (.*) $/, "$1"));
+  if (kind === "link") {
+    const href = linkTarget(match[2]);
+    if (href === null) return match[0];
+    const link = inline(match[1], element("a"));
+    link.href = href;
+    link.rel = "noopener noreferrer";
+    link.target = "_blank";
+    return link;
+  }
+  return inline(match[1] || match[2], element(kind));
+}
+
+// An absolute http(s) address as the href to set, else null (relative, javascript:, data: ...).
+const linkTarget = (text) => (LINK_TARGET.test(text) ? text : null);
+
+// A message's text into its element: an answer's as Markdown, the user's as it was typed.
+function showText(node, message) {
+  if (message.role === "assistant") node.replaceChildren(renderMarkdown(message.content));
+  else node.textContent = message.content;
 }
 
 // -- engine view ---------------------------------------------------------------------------------
