@@ -39,7 +39,8 @@ def test_dry_run_goes_through_every_stage_and_writes_the_report(tmp_path):
     assert list(stages) == ["probe", "tests", "parity", "decode", "throughput", "quant_gemm", "decode_8b"]
     for name in ("probe", "tests", "parity", "decode", "throughput", "quant_gemm"):
         assert stages[name]["status"] == "ok", (name, stages[name])
-        assert "report" in stages[name], name  # each stage's own JSON, carried into the one report
+        # each benchmark's own JSON carried into the one report; the tests' outcomes counted
+        assert ("tests" if name == "tests" else "report") in stages[name], name
     assert stages["decode_8b"]["status"] == "skipped"
     assert report["device"] == "cpu" and report["dry_run"]
     targets = report["targets"]

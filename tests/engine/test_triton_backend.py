@@ -77,3 +77,38 @@ def test_default_model_token_identical_to_torch_backend(default_model_path):
     kw = dict(dtype="float32", quantization="none", kv_cache_memory_gb=0.05)
     expected = generate(LLM(str(default_model_path), attention_backend="torch", **kw), prompts, max_tokens)
     assert generate(LLM(str(default_model_path), attention_backend="triton", **kw), prompts, max_tokens) == expected
+
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_sliding_window_soft_capped_model_token_identical_to_torch_backend(family, default_checkpoint, tmp_path,
+                                                                           monkeypatch):
+    """Tiny random models of tests/models/test_families.py, window 8: Gemma 2 (sliding and full
+    layers in turn, soft-capped scores and logits) and Mistral (every layer slides, so the blocks
+    behind a window are freed on the way). Prompts of 20 and 45 tokens in 16-token steps cross
+    the window in chunked prefill and in decode. Greedy tokens identical and every sampled row's
+    logits within 1e-5 (Gemma 2's logits, capped at 0.4, hide a decode without the score cap
+    from the tokens, not from the logits: up to 2e-4 apart)."""
+    import torch
+
+    from tests.models.test_families import FAMILIES, WINDOW, LastLogits, make_checkpoint
+
+    make_checkpoint(tmp_path, FAMILIES[family](), default_checkpoint.tokenizer)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, len(default_checkpoint.tokenizer), (n,), generator=gen).tolist() for n in (3, 20, 45)]
+    assert WINDOW < 20
+    kw = dict(dtype="float32", block_size=8, max_num_batched_tokens=16, kv_cache_memory_gb=0.05)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tmp_path), attention_backend=backend, **kw)
+        assert llm.engine.core.runner.attention_backend == backend
+        spy = LastLogits(llm.engine.core.runner.sampler)
+        monkeypatch.setattr(llm.engine.core.runner, "sampler", spy)
+        runs[backend] = generate(llm, prompts, [8, 8, 8]), dict(spy.seen)
+    (expected, expected_logits), (tokens, logits) = runs["torch"], runs["triton"]
+    assert tokens == expected
+    assert logits.keys() == expected_logits.keys() and len(logits) == 3 * 8
+    for context, row in logits.items():
+        torch.testing.assert_close(row, expected_logits[context], atol=1e-5, rtol=0)
+    freed = llm.engine.core.kv_cache_manager.num_window_freed_blocks
+    assert (freed > 0) == (family == "mistral"), freed

@@ -14,7 +14,9 @@ from tokenmill.layers import sampler as sampler_module
 from tokenmill.layers.sampler import SamplingRow
 from tokenmill.models.loader import load_checkpoint
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.memory import GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
+from tokenmill.worker import model_runner
+from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.memory import GRAPH_POOL_MARGIN, GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
 from tokenmill.worker.model_runner import ModelRunner
 
 MiB = 2**20
@@ -45,6 +47,12 @@ def test_other_processes_count_against_utilization():
 def test_cached_but_free_torch_memory_is_not_counted_twice():
     # Reserved-but-unallocated memory of torch's pool is neither weights nor outside torch.
     assert profile(torch_reserved=3 * GiB, free=71 * GiB).in_use == profile().in_use
+
+
+def test_graph_pool_counts_as_in_use():
+    assert profile(graph_pool=GiB).in_use == profile().in_use + GiB
+    with pytest.raises(ConfigError, match="CUDA graph pool 1.00 GiB.*enforce_eager"):
+        kv_cache_budget_bytes(profile(graph_pool=GiB), 0.2, min_bytes=int(0.2 * 80 * GiB) - profile().in_use)
 
 
 def test_too_little_left_names_gpu_memory_utilization():
@@ -170,27 +178,36 @@ def test_worst_case_step_runs_and_leaves_no_trace(tiny_checkpoint, monkeypatch):
 
 class FakeCudaMemory:
     """torch.cuda's memory readings for a runner that lives on the CPU: `weights` allocated
-    before the profiled step, the step's scratch cache plus `activations` at its peak, `outside`
-    bytes used on the device outside torch. The runner takes the CUDA path (auto KV budget)."""
+    before the profiled step, the step's scratch cache plus `activations` at its peak (the
+    graph step's scratch cache plus `graph_activations` at its), `outside` bytes used on the
+    device outside torch. The runner takes the CUDA path (auto KV budget)."""
 
-    def __init__(self, monkeypatch, total: int, weights: int, activations: int, outside: int):
+    def __init__(self, monkeypatch, total: int, weights: int, activations: int, outside: int, graph_activations: int = 0):
         self.total, self.weights, self.activations, self.outside = total, weights, activations, outside
-        self.scratch = 0
+        self.graph_activations = graph_activations
+        self.scratch = self.graph_scratch = 0
+        self.peak = weights
         self.calls: list[str] = []
-        run_step = ModelRunner.run_worst_case_step
+        run_step, run_graph_step = ModelRunner.run_worst_case_step, ModelRunner.run_graph_step
 
         def recording_step(runner, config):
             self.scratch = run_step(runner, config)
+            self.peak = self.weights + self.scratch + self.activations
             return self.scratch
 
+        def recording_graph_step(runner, config):
+            self.graph_scratch = run_graph_step(runner, config)
+            self.peak = self.weights + self.graph_scratch + self.graph_activations
+            return self.graph_scratch
+
         monkeypatch.setattr(ModelRunner, "run_worst_case_step", recording_step)
+        monkeypatch.setattr(ModelRunner, "run_graph_step", recording_graph_step)
         monkeypatch.setattr(EngineConfig, "resolved_kv_cache_memory_gb", lambda config, device: config.kv_cache_memory_gb)
         for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
             monkeypatch.setattr(torch.cuda, name, lambda device=None, _n=name: self.calls.append(_n))
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.weights)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.weights + 4 * MiB)
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated",
-                            lambda device=None: self.weights + self.scratch + self.activations)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
         monkeypatch.setattr(torch.cuda, "mem_get_info",
                             lambda device=None: (self.total - self.weights - 4 * MiB - self.outside, self.total))
 
@@ -201,6 +218,7 @@ def test_cuda_sizing_path(tiny_checkpoint, monkeypatch, caplog):
     with caplog.at_level("INFO", logger="tokenmill.worker.model_runner"):
         runner, config = make_runner(tiny_checkpoint, gpu_memory_utilization=0.75)
     assert fake.scratch > 0 and "reset_peak_memory_stats" in fake.calls and runner.requests == {}
+    assert fake.graph_scratch == 0 and "CUDA graph pool" not in caplog.text  # no graphs on the torch backend
     budget = int(0.75 * 1024 * MiB) - (100 + 50 + 300) * MiB
     # The torch backend (the CPU's): each block also gets room for twice its one-layer K/V
     # gathered in the compute dtype (fp32 here).
@@ -238,3 +256,44 @@ def test_cuda_sizing_reserves_the_larger_gather_of_target_and_draft(tiny_checkpo
     gather = 2 * 2 * 16 * draft.num_key_value_heads * draft.head_dim * 4
     budget = int(0.75 * 1024 * MiB) - (100 + 50 + 300) * MiB
     assert runner.num_blocks == budget // (runner.bytes_per_block + gather)
+
+
+def test_cuda_sizing_reserves_the_graph_pool(tiny_checkpoint, monkeypatch, caplog):
+    """When decode steps will replay CUDA graphs, the largest captured step (every row padding,
+    the Triton backend in its interpreter here) runs once eagerly and GRAPH_POOL_MARGIN x its
+    peak is held back from the KV cache."""
+    pytest.importorskip("triton")
+    fake = FakeCudaMemory(monkeypatch, total=1024 * MiB, weights=100 * MiB, activations=50 * MiB, outside=300 * MiB,
+                          graph_activations=20 * MiB)
+    monkeypatch.setattr(model_runner, "decode_graphs_unavailable", lambda config, arch, device_type: None)
+    captured = []
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda graphs: captured.append(graphs.sizes))
+    with caplog.at_level("INFO", logger="tokenmill.worker.model_runner"):
+        runner, config = make_runner(tiny_checkpoint, gpu_memory_utilization=0.75, attention_backend="triton")
+    assert fake.scratch > 0 and fake.graph_scratch == runner.bytes_per_block  # a scratch cache of one block
+    budget = int(0.75 * 1024 * MiB) - (100 + 50 + GRAPH_POOL_MARGIN * 20 + 300) * MiB
+    assert runner.num_blocks == budget // runner.bytes_per_block  # (the Triton backend gathers nothing)
+    assert f"CUDA graph pool {GRAPH_POOL_MARGIN * 20 / 1024:.2f} GiB ({GRAPH_POOL_MARGIN} x the profiled decode step of 8)" \
+        in caplog.text
+    assert captured == [[1, 2, 4, 8]] and runner.decode_graphs is not None  # then captured over the real cache
+    assert runner.decode_graphs.kv_caches is runner.kv_caches
+
+
+def test_worst_case_step_runs_the_draft_model_over_the_batch_and_proposes(tiny_checkpoint, default_model_path,
+                                                                           monkeypatch):
+    """With a draft model the profiled step also runs its forward over every token and its
+    proposal passes (one per draft, a token per request)."""
+    runner, config = make_runner(tiny_checkpoint, num_kv_blocks=4, speculative_method="draft",
+                                 draft_model=str(default_model_path), num_speculative_tokens=2)
+    forward = runner.draft_model.forward
+    draft_tokens = []
+
+    def recording_forward(input_ids, *args):
+        draft_tokens.append(len(input_ids))
+        return forward(input_ids, *args)
+
+    monkeypatch.setattr(runner.draft_model, "forward", recording_forward)
+    runner.run_worst_case_step(config)
+    # [33] + [1] * 7 prompt tokens, then 2 drafts for each of the 8 requests.
+    assert draft_tokens == [40, 8, 8]
+    assert runner.requests == {}

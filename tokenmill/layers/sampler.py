@@ -17,6 +17,11 @@ probs (the Gumbel-max trick in another form). A row with `params.seed` draws E f
 seeded with (seed, number of tokens generated so far) only, so its token does not depend on the
 rest of the batch, on row order, or on whether the request was preempted and recomputed.
 
+The small tensors a stage builds from the rows (indices, temperatures, top-k / top-p / min-p,
+penalties, token ids) go to the logits' device in one copy per stage, two where it needs both
+int64 and float32 values (`_to_device`: on CUDA from pinned memory, without waiting for the
+stream).
+
 With the compiled CPU kernels (`Sampler(kernels=...)`, the model runner's on a CPU), logits on
 the CPU are sampled by their `sample_rows` instead (csrc/cpu_sampler.cpp): the same Gumbel-max
 draw, argmax(logits / T - log(-log U)), in one pass over each row, with U made from a hash of a
@@ -122,11 +127,12 @@ class Sampler:
         probs = torch.zeros_like(x)
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
         greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
+        both = _to_device(greedy_idx + random_idx, torch.long, x.device)
         if greedy_idx:
-            idx = torch.tensor(greedy_idx, device=x.device)
+            idx = both[: len(greedy_idx)]
             probs[idx, x[idx].argmax(dim=-1)] = 1.0
         if random_idx:
-            idx = torch.tensor(random_idx, device=x.device)
+            idx = both[len(greedy_idx) :]
             p = self._random_probs(x[idx], [rows[i] for i in random_idx])
             probs[idx] = p / p.sum(dim=-1, keepdim=True)
         return probs
@@ -179,8 +185,8 @@ class Sampler:
         out = SpecSamplerOutput(token_ids, None, None)
         if any(row.params.logprobs is not None for row in rows):
             emitted_rows = [first + i for first, tokens in zip(first_rows, token_ids) for i in range(len(tokens))]
-            flat = torch.tensor([t for tokens in token_ids for t in tokens], device=device)
-            lps, tops = _gather_logprobs(logits[emitted_rows].float(), flat, [rows[i] for i in emitted_rows])
+            rows_t, flat = _to_device([emitted_rows, [t for tokens in token_ids for t in tokens]], torch.long, device)
+            lps, tops = _gather_logprobs(logits[rows_t].float(), flat, [rows[i] for i in emitted_rows])
             out.logprobs, out.top_logprobs = [], []
             i = 0
             for tokens in token_ids:
@@ -195,7 +201,7 @@ class Sampler:
         if len(random_idx) == len(rows):
             return self._sample_random(x, rows)
         token_ids = x.argmax(dim=-1)
-        idx = torch.tensor(random_idx, device=x.device)
+        idx = _to_device(random_idx, torch.long, x.device)
         token_ids[idx] = self._sample_random(x[idx], [rows[i] for i in random_idx])
         return token_ids
 
@@ -233,12 +239,11 @@ class Sampler:
     def _random_probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [n, vocab_size] processed logits of non-greedy rows -> [n, vocab_size] probabilities
         after temperature, top-k, top-p and min-p (not renormalised after min-p)."""
-        device = x.device
         params = [row.params for row in rows]
-        probs = _top_k_top_p_logits(x, params).softmax(dim=-1)
-        min_ps = [p.min_p for p in params]
-        if any(min_ps):
-            min_p = torch.tensor(min_ps, device=device).unsqueeze(1)
+        table = _row_table(params, x.shape[1], x.device)
+        probs = _top_k_top_p_logits(x, params, table).softmax(dim=-1)
+        if any(p.min_p for p in params):
+            min_p = table[3].unsqueeze(1)
             p_max = probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < min_p * p_max, 0.0)  # p_max itself always stays
         return probs
@@ -327,8 +332,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[list[int]
     flat_drafts = [t for d in draft_token_ids for t in d]
     accepted: list[bool] = []
     if flat_drafts:
-        drafts_t = torch.tensor(flat_drafts, device=device)
-        p = target_probs[torch.tensor(draft_rows, device=device), drafts_t]
+        drafts_t, rows_t = _to_device([flat_drafts, draft_rows], torch.long, device)
+        p = target_probs[rows_t, drafts_t]
         q = (draft_probs.gather(1, drafts_t[:, None])[:, 0] if draft_probs is not None
              else torch.ones_like(p))
         accepted = (uniforms * q < p).tolist()  # u < p / q, without dividing by a tiny q
@@ -342,23 +347,33 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[list[int]
         num_accepted.append(a)
         draft_starts.append(d)
         d += k
-    final = target_probs[torch.tensor([f + a for f, a in zip(first_rows, num_accepted)], device=device)]
+    final = target_probs[_to_device([f + a for f, a in zip(first_rows, num_accepted)], torch.long, device)]
     rejected = [r for r, (a, k) in enumerate(zip(num_accepted, num_drafts)) if a < k]
     if rejected:
-        rej = torch.tensor(rejected, device=device)
         draft_index = [draft_starts[r] + num_accepted[r] for r in rejected]
+        # The rejected requests' rows, their rejected drafts' rows in draft_probs, and those drafts.
+        rej, rej_draft_rows, rej_drafts = _to_device([rejected, draft_index, [flat_drafts[i] for i in draft_index]],
+                                                     torch.long, device)
         if draft_probs is not None:
-            residual = (final[rej] - draft_probs[torch.tensor(draft_index, device=device)]).clamp_(min=0)
+            residual = (final[rej] - draft_probs[rej_draft_rows]).clamp_(min=0)
         else:
             residual = final[rej].clone()
-            residual[torch.arange(len(rejected), device=device),
-                     torch.tensor([flat_drafts[i] for i in draft_index], device=device)] = 0
+            residual[torch.arange(len(rejected), device=device), rej_drafts] = 0
         # p == q up to rounding leaves nothing: then the target row itself (measure zero).
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         final[rej] = torch.where(empty, final[rej], residual)
     last = (final / noise).argmax(dim=-1).tolist()
     tokens = [list(draft[:a]) + [t] for draft, a, t in zip(draft_token_ids, num_accepted, last)]
     return tokens, first_rows
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list, or a list of equally long lists) as a tensor on `device`, in one
+    copy: on CUDA from pinned memory and without waiting for the stream (the pinned block's
+    allocator holds it until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _check_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -448,11 +463,8 @@ def _add_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
             f"logit_bias token id must be < vocab_size ({vocab_size}), got {max(token_ids)}"
         )
     device = x.device
-    x.index_put_(
-        (torch.tensor(row_idx, device=device), torch.tensor(token_ids, device=device)),
-        torch.tensor(biases, device=device),
-        accumulate=True,
-    )
+    x.index_put_(tuple(_to_device([row_idx, token_ids], torch.long, device)),
+                 _to_device(biases, torch.float32, device), accumulate=True)
 
 
 def _mask_stop_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -472,9 +484,7 @@ def _mask_stop_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         row_idx.extend([i] * len(ids))
         token_ids.extend(ids)
     if token_ids:
-        device = x.device
-        index = (torch.tensor(row_idx, device=device), torch.tensor(token_ids, device=device))
-        x[index] = float("-inf")
+        x[tuple(_to_device([row_idx, token_ids], torch.long, x.device))] = float("-inf")
 
 
 def _token_rows(
@@ -482,18 +492,15 @@ def _token_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs for every prompt (optional) and output token of those rows."""
     flat: list[int] = []
-    lengths: list[int] = []
+    row_of: list[int] = []
     for i in row_idx:
         row = rows[i]
         n = len(flat)
         if with_prompt:
             flat.extend(row.prompt_token_ids)
         flat.extend(row.output_token_ids)
-        lengths.append(len(flat) - n)
-    token_ids = torch.tensor(flat, dtype=torch.long, device=device)
-    rows_t = torch.repeat_interleave(
-        torch.tensor(row_idx, device=device), torch.tensor(lengths, device=device)
-    )
+        row_of.extend([i] * (len(flat) - n))
+    rows_t, token_ids = _to_device([row_of, flat], torch.long, device)
     return rows_t, token_ids
 
 
@@ -504,10 +511,8 @@ def _apply_repetition_penalty(x: torch.Tensor, rows: list[SamplingRow]) -> torch
     rows_t, token_ids = _token_rows(rows, row_idx, with_prompt=True, device=device)
     seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
     seen[rows_t, token_ids] = True
-    penalty = torch.ones(num_rows, 1, device=device)
-    penalty[row_idx, 0] = torch.tensor(
-        [rows[i].params.repetition_penalty for i in row_idx], device=device
-    )
+    # (1.0 for the rows outside row_idx)
+    penalty = _to_device([row.params.repetition_penalty for row in rows], torch.float32, device).unsqueeze(1)
     return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
 
 
@@ -528,22 +533,17 @@ def _apply_frequency_presence_penalties(
     counts = torch.zeros(num_rows, vocab_size, device=device)  # [num_rows, vocab_size]
     ones = torch.ones_like(token_ids, dtype=x.dtype)
     counts.index_put_((rows_t, token_ids), ones, accumulate=True)
-    frequency = torch.zeros(num_rows, 1, device=device)
-    presence = torch.zeros(num_rows, 1, device=device)
-    frequency[row_idx, 0] = torch.tensor(
-        [rows[i].params.frequency_penalty for i in row_idx], device=device
-    )
-    presence[row_idx, 0] = torch.tensor(
-        [rows[i].params.presence_penalty for i in row_idx], device=device
-    )
+    selected = set(row_idx)  # the other rows' penalties are 0
+    params = [rows[i].params if i in selected else None for i in range(num_rows)]
+    penalties = _to_device([[p.frequency_penalty if p is not None else 0.0 for p in params],
+                            [p.presence_penalty if p is not None else 0.0 for p in params]], torch.float32, device)
+    frequency, presence = penalties[0].unsqueeze(1), penalties[1].unsqueeze(1)  # [num_rows, 1] each
     return x - frequency * counts - presence * (counts > 0)
 
 
-def _top_k_threshold(values: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
-    """values: [n, >= max k] sorted descending -> [n, 1] the k-th largest logit (-inf when off).
-    Ties with the k-th logit are kept."""
-    device = values.device
-    k = torch.tensor(top_ks, device=device).unsqueeze(1)
+def _top_k_threshold(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """values: [n, >= max k] sorted descending; k: [n, 1] int64 (0: off) -> [n, 1] the k-th
+    largest logit (-inf when off). Ties with the k-th logit are kept."""
     threshold = values.gather(1, (k - 1).clamp(min=0))
     return threshold.masked_fill(k == 0, float("-inf"))
 
@@ -556,60 +556,69 @@ def _needs_top_k_top_p(params: list[SamplingParams], vocab_size: int) -> bool:
     return any(p.top_p < 1.0 for p in params) or any(_top_ks(params, vocab_size))
 
 
-def _top_k_top_p_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """x / temperature per row, tokens outside each row's top-k and top-p set to -inf."""
-    temperatures = torch.tensor([p.temperature for p in params], device=x.device)
-    x = x / temperatures.unsqueeze(1)
+def _row_table(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[4, n] float32 on `device`, in one copy: each row's temperature, top-p, top-k (0: off;
+    exact in float32, being below the vocabulary size and so below 2**24) and min-p."""
+    return _to_device([[p.temperature for p in params], [p.top_p for p in params], _top_ks(params, vocab_size),
+                       [p.min_p for p in params]], torch.float32, device)
+
+
+def _top_k_top_p_logits(x: torch.Tensor, params: list[SamplingParams],
+                        table: torch.Tensor | None = None) -> torch.Tensor:
+    """x / temperature per row, tokens outside each row's top-k and top-p set to -inf. `table`:
+    the rows' `_row_table`, when the caller has it."""
+    if table is None:
+        table = _row_table(params, x.shape[1], x.device)
+    x = x / table[0].unsqueeze(1)
     top_ks = _top_ks(params, x.shape[1])
     top_ps = [p.top_p for p in params]
+    k, top_p = table[2].long().unsqueeze(1), table[1].unsqueeze(1)
     if any(p < 1.0 for p in top_ps):
-        return _apply_top_k_top_p(x, top_ks, top_ps)
+        return _apply_top_k_top_p(x, top_ks, top_ps, k, top_p)
     if any(top_ks):
-        return _apply_top_k(x, top_ks)
+        return _apply_top_k(x, top_ks, k)
     return x
 
 
-def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+def _apply_top_k(x: torch.Tensor, top_ks: list[int], k: torch.Tensor) -> torch.Tensor:
+    """k: top_ks as [n, 1] int64 on x's device."""
     values = x.topk(max(top_ks), dim=-1).values  # [n, max_k], descending
-    return x.masked_fill(x < _top_k_threshold(values, top_ks), float("-inf"))
+    return x.masked_fill(x < _top_k_threshold(values, k), float("-inf"))
 
 
-def _apply_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def _apply_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float], k: torch.Tensor | None = None,
+                       top_p: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k, then top-p: keep the smallest most-likely set whose probability reaches top_p
     (a token stays iff the mass of the tokens ranked above it is < top_p; the top one always).
+    k, top_p: top_ks and top_ps as [n, 1] int64 and float32 on x's device (built when not given).
 
     A full sort of the vocab is the slow part, so rows are first cut using only their most
     likely _TOP_P_CANDIDATES tokens; the rare row whose candidates do not reach top_p is sorted
     in full. Either way each row gets one logit threshold; ties with it are kept."""
     vocab_size = x.shape[1]
+    if k is None or top_p is None:
+        k = _to_device(top_ks, torch.long, x.device).unsqueeze(1)
+        top_p = _to_device(top_ps, torch.float32, x.device).unsqueeze(1)
     # A top-k row needs only its k best; a top-p-only row needs the wide candidate set.
-    top_p_only = any(k == 0 and p < 1.0 for k, p in zip(top_ks, top_ps))
+    top_p_only = any(tk == 0 and p < 1.0 for tk, p in zip(top_ks, top_ps))
     num_candidates = min(vocab_size, max(_TOP_P_CANDIDATES if top_p_only else 1, max(top_ks)))
     candidates = x.topk(num_candidates, dim=-1).values  # [n, num_candidates], descending
-    threshold, resolved = _top_k_top_p_threshold(x, candidates, top_ks, top_ps)
+    threshold, resolved = _top_k_top_p_threshold(x, candidates, k, top_p)
     if num_candidates < vocab_size and not bool(resolved.all()):
-        unresolved = (~resolved).nonzero()[:, 0].tolist()
-        idx = torch.tensor(unresolved, device=x.device)
+        idx = (~resolved).nonzero()[:, 0]
         sub = x[idx]
-        threshold[idx], _ = _top_k_top_p_threshold(
-            sub,
-            sub.sort(dim=-1, descending=True).values,
-            [top_ks[i] for i in unresolved],
-            [top_ps[i] for i in unresolved],
-        )
+        threshold[idx], _ = _top_k_top_p_threshold(sub, sub.sort(dim=-1, descending=True).values, k[idx], top_p[idx])
     return x.masked_fill(x < threshold, float("-inf"))
 
 
 def _top_k_top_p_threshold(
-    x: torch.Tensor, values: torch.Tensor, top_ks: list[int], top_ps: list[float]
+    x: torch.Tensor, values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [n, vocab_size]; values: [n, m] the m largest of each row, descending (m >= max k).
+    """x: [n, vocab_size]; values: [n, m] the m largest of each row, descending (m >= max k);
+    k, top_p: [n, 1] each row's top-k (int64, 0: off) and top-p (float32).
     Returns the [n, 1] logit threshold, and [n] whether it is exact, which it is unless top-p
     needs more than the m tokens given."""
-    device = x.device
-    k = torch.tensor(top_ks, device=device).unsqueeze(1)
-    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
-    k_threshold = _top_k_threshold(values, top_ks)
+    k_threshold = _top_k_threshold(values, k)
     values = values.masked_fill(values < k_threshold, float("-inf"))
     # Probabilities after top-k: all of a top-k row's tokens are among `values`.
     log_norm = torch.where(
@@ -637,7 +646,7 @@ def _gather_logprobs(
     ks = [row.params.logprobs or 0 for row in rows]
     asking = [i for i, k in enumerate(ks) if k > 0]
     if asking:
-        idx = torch.tensor(asking, device=raw.device)
+        idx = _to_device(asking, torch.long, raw.device)
         values, ids = raw[idx].topk(min(max(ks), raw.shape[1]), dim=-1)
         values = (values - lse[idx].unsqueeze(1)).tolist()
         ids = ids.tolist()

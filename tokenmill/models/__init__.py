@@ -28,9 +28,6 @@ def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dt
     model_cls = MODEL_CLASSES.get(arch.architecture)
     if model_cls is None:
         raise ValueError(f"{checkpoint.source}: no model implementation for architecture {arch.architecture!r}")
-    if attention_backend == "triton" and (arch.sliding_window is not None or arch.attn_logit_softcap is not None):
-        raise ValueError(f"{checkpoint.source}: the triton attention backend has no sliding windows or soft-capped "
-                         "scores, which this model uses; use --attention-backend torch")
     with torch.device(device):  # "meta": no memory, no random init (models.streaming fills it)
         return model_cls(arch if shard is None else shard.local_config(), make_backend(attention_backend, cpu_kernels),
                          max_position, dtype, cpu_kernels, parallel, shard)

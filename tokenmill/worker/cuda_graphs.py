@@ -5,12 +5,23 @@ graph replay: no per-layer kernel launches from Python, which at small batches c
 the kernels themselves. Everything the graph reads lives in static buffers filled before each
 replay: token ids, positions, cache slots, block tables (as wide as max_model_len needs) and
 lengths. Padding rows carry slot -1 (the KV write skips them) and length 0 (attention returns
-zeros), so they touch no request's cache. The split-K decode is captured with the split count
-for max_model_len, and each sequence cuts its own keys into that many splits.
+zeros), so they touch no request's cache.
 
-Only the Triton attention backend is capturable: its metadata is fixed-shape tensors, while the
-PyTorch backend's decode groups change shape with the batch's lengths. Prefill steps, steps
-with drafts to verify, and batches above the largest bucket run eagerly.
+The split-K decode is captured with the split count for max_model_len (`decode_num_splits`),
+whatever the step's contexts: a known cost, and a small one. The count is bounded by the GPU's
+SM count (about two programs per SM over the bucket's sequences and KV heads: one split from
+2 x SMs / KV heads sequences up) and each split covers whole 64-key tiles, so a short context
+fills its first few splits and the rest are programs that read no key and leave an empty
+partial; what is paid is those programs and the combine kernel's read of every split's partial.
+
+`decode_graphs_unavailable` decides whether graphs are captured at all: on CUDA, with the Triton
+attention backend (its metadata is fixed-shape tensors, while the PyTorch backend's decode
+groups change shape with the batch's lengths), without enforce_eager, a draft model, ranks or
+experts. Prefill steps, steps with drafts to verify, and batches above the largest bucket run
+eagerly.
+
+The graphs' memory pool is not there when the KV cache is sized: the runner reserves twice the
+peak of one eager run of the largest size's padded step (`run_largest`) for it.
 
 On a CPU there is nothing to capture: `DecodeGraphs(..., capture=False)` runs the same padded
 static-buffer forward eagerly, which is how the padding is tested without a GPU.
@@ -23,11 +34,32 @@ import time
 
 import torch
 
+from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import BatchLayout
+from tokenmill.models.loader import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256  # the largest captured decode batch (bounded further by max_num_seqs)
+
+
+def decode_graphs_unavailable(config: EngineConfig, arch: ModelArchConfig, device_type: str) -> str | None:
+    """Why decode steps run eagerly rather than from CUDA graphs, or None when graphs are
+    captured. The one place this is decided."""
+    if device_type != "cuda":
+        return "not on CUDA"
+    if config.enforce_eager:
+        return "enforce_eager"
+    if config.resolved_attention_backend(device_type) != "triton":
+        return "the torch attention backend's decode groups change shape with the batch's lengths"
+    if config.speculative_method == "draft":
+        return "a draft model (its forward in the step reuses the eager step's inputs)"
+    if config.world_size > 1:
+        return "the model is split over ranks"
+    if arch.num_experts:
+        return ("experts: each MoE layer reads its experts' token counts on the host (a sync) and runs a matmul "
+                "per expert with tokens, which a graph cannot replay")
+    return None
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -113,6 +145,12 @@ class DecodeGraphs:
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         logger.info("captured CUDA graphs of decode steps at batch sizes %s in %.1fs (memory pool %.0f MiB)",
                     self.sizes, self.capture_seconds, self.pool_bytes / 2**20)
+
+    @torch.inference_mode()
+    def run_largest(self) -> torch.Tensor:
+        """The largest size's step with every row padding, eagerly: the forward its graph
+        captures (the memory profile runs it)."""
+        return self._forward(self.sizes[-1])
 
     def fits(self, num_decodes: int) -> bool:
         return num_decodes <= self.sizes[-1]

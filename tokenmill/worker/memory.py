@@ -4,7 +4,9 @@ At start-up on CUDA (when neither kv_cache_memory_gb nor num_kv_blocks is given)
 loads the weights, runs the worst step the scheduler can produce once (`profile_prompt_lens`
 requests over a scratch KV cache: a full token budget, every request sampled) and reads the
 device's memory (`MemoryProfile`). The KV cache then gets what `gpu_memory_utilization` of the
-device leaves: `kv_cache_budget_bytes`.
+device leaves: `kv_cache_budget_bytes`. When decode steps will replay CUDA graphs, whose memory
+pool exists only once they are captured (after the KV cache), the runner also runs the largest
+captured decode step eagerly and reserves GRAPH_POOL_MARGIN times its peak for the pool.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from dataclasses import dataclass
 from tokenmill.config import ConfigError
 
 GiB = 2**30
+# The CUDA graphs' pool against one eager run of the largest captured step: every captured size's
+# output stays allocated in the pool while the smaller sizes are captured, and the pool's
+# segments are its own (the caching allocator's rounding is not shared with eager steps).
+GRAPH_POOL_MARGIN = 2
 
 
 @dataclass(frozen=True)
@@ -27,11 +33,12 @@ class MemoryProfile:
     torch_allocated: int  # live torch tensors of this process: the weights and buffers
     torch_reserved: int  # held by torch's caching allocator (>= torch_allocated)
     peak_activation: int  # the profiled step's peak allocation above what was live before it
+    graph_pool: int = 0  # reserved for the CUDA graphs' memory pool (0: no graphs)
 
     def __post_init__(self) -> None:
         assert 0 <= self.free <= self.total, self
         assert 0 <= self.torch_allocated <= self.torch_reserved, self
-        assert self.peak_activation >= 0, self
+        assert self.peak_activation >= 0 and self.graph_pool >= 0, self
 
     @property
     def non_torch(self) -> int:
@@ -42,7 +49,7 @@ class MemoryProfile:
     @property
     def in_use(self) -> int:
         """What stays in use while serving, besides the KV cache."""
-        return self.torch_allocated + self.peak_activation + self.non_torch
+        return self.torch_allocated + self.peak_activation + self.graph_pool + self.non_torch
 
 
 def kv_cache_budget_bytes(profile: MemoryProfile, utilization: float, min_bytes: int) -> int:
@@ -55,13 +62,15 @@ def kv_cache_budget_bytes(profile: MemoryProfile, utilization: float, min_bytes:
     allowed = int(utilization * profile.total)
     budget = allowed - profile.in_use
     if budget < min_bytes:
+        graphs = f"the CUDA graph pool {_gib(profile.graph_pool)}, " if profile.graph_pool else ""
         raise ConfigError(
             "gpu_memory_utilization",
             f"{utilization:g} of the GPU's {_gib(profile.total)} is {_gib(allowed)}, which leaves "
             f"{_gib(max(budget, 0))} for the KV cache after weights {_gib(profile.torch_allocated)}, peak "
-            f"activations {_gib(profile.peak_activation)} and {_gib(profile.non_torch)} outside torch (CUDA "
-            f"context, other processes); one request of max_model_len tokens needs {_gib(min_bytes)}. Raise "
-            "gpu_memory_utilization, or lower max_model_len, max_num_batched_tokens or max_num_seqs",
+            f"activations {_gib(profile.peak_activation)}, {graphs}and {_gib(profile.non_torch)} outside torch "
+            f"(CUDA context, other processes); one request of max_model_len tokens needs {_gib(min_bytes)}. Raise "
+            "gpu_memory_utilization, or lower max_model_len, max_num_batched_tokens or max_num_seqs"
+            + (", or turn the graphs off (enforce_eager)" if profile.graph_pool else ""),
         )
     return budget
 

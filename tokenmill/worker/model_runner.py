@@ -34,7 +34,7 @@ from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerO
 from tokenmill.distributed import ParallelGroup, ShardPlan
 from tokenmill.distributed.pipeline import pipeline_forward
 from tokenmill.layers.attention import BatchLayout
-from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, KV_STORE_DTYPES, indexable
+from tokenmill.layers.attention.kv_quant import KV_CODE_DTYPES, KV_STORE_DTYPES
 from tokenmill.layers.cpu_isa import native_bf16
 from tokenmill.layers.embedding import QuantizedEmbedding
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
@@ -47,9 +47,11 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.structured.bitmask import allocate_bitmask
 from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
+from tokenmill.worker.block_copies import copy_blocks, swap_blocks
 from tokenmill.worker.cpu import gather_weights
-from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
-from tokenmill.worker.memory import GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
+from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, decode_graphs_unavailable
+from tokenmill.worker.memory import GRAPH_POOL_MARGIN, GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
+from tokenmill.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +174,15 @@ class ModelRunner:
             NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
             if config.speculative_method == "ngram" else None
         )
+        # Each step's integer inputs, uploaded at once (worker/step_inputs.py), sized for a full
+        # token budget's ids, positions and slots; the draft model's catch-up and proposal passes
+        # have their own, as the step's inputs are read again by the draft forward after the catch-up.
+        self.step_inputs = StepInputs(self.device, capacity=3 * config.max_num_batched_tokens + config.max_num_seqs)
+        self.draft_inputs = StepInputs(self.device) if self.draft_model is not None else None
+        # Decode-only steps replayed from CUDA graphs (worker/cuda_graphs.py), or why not.
+        self.graphs_unavailable = decode_graphs_unavailable(config, self.model.config, self.device.type)
+        if self.graphs_unavailable is not None and self.device.type == "cuda":
+            logger.info("CUDA graphs: off, decode steps run eagerly (%s)", self.graphs_unavailable)
         # Sized below (on CUDA after a profiled step through execute_model, over a scratch cache
         # and without CUDA graphs, which are captured once the real cache exists).
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
@@ -192,12 +203,9 @@ class ModelRunner:
         host = ([self._make_caches(m.config, self.num_host_blocks, "cpu", host_pool=True) for m in self.models]
                 if self.num_host_blocks else [[]])
         self.host_kv_caches = [layer for caches in host for layer in caches]
-        # Decode-only steps replayed from CUDA graphs (worker/cuda_graphs.py): CUDA, the Triton
-        # backend, no draft model (whose forward in execute_model reuses the eager step's inputs).
-        if (self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager
-                and self.draft_model is None and parallel is None):
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, MAX_GRAPH_BATCH),
-                                              self.block_size, max_model_len, self.device)
+        if self.graphs_unavailable is None:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.max_graph_batch(config), self.block_size,
+                                              max_model_len, self.device)
 
     def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
         qconfig = QuantConfig.from_engine(config, checkpoint)
@@ -282,21 +290,38 @@ class ModelRunner:
             return self._blocks_for_budget(memory_gb)
         return self._blocks_for_gpu_memory(config)
 
-    def _blocks_for_gpu_memory(self, config: EngineConfig) -> int:
-        """KV blocks on CUDA: profile the worst-case step with the weights loaded, then give the
-        cache what gpu_memory_utilization of the device leaves (`memory.kv_cache_budget_bytes`)."""
+    @staticmethod
+    def max_graph_batch(config: EngineConfig) -> int:
+        """The largest decode batch captured in a CUDA graph."""
+        return min(config.max_num_seqs, MAX_GRAPH_BATCH)
+
+    def _profiled_peak(self, run) -> int:
+        """The peak bytes allocated on CUDA while `run()` runs, above what was live before it
+        and less what `run` returns (its scratch KV cache)."""
         dev = self.device
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        live_before = torch.cuda.memory_allocated(dev)  # the weights
+        live_before = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        scratch_bytes = self.run_worst_case_step(config)
+        scratch_bytes = run()
         torch.cuda.synchronize(dev)
-        peak = max(0, torch.cuda.max_memory_allocated(dev) - live_before - scratch_bytes)
-        torch.cuda.empty_cache()  # so that `free` counts the step's released memory as free
+        return max(0, torch.cuda.max_memory_allocated(dev) - live_before - scratch_bytes)
+
+    def _blocks_for_gpu_memory(self, config: EngineConfig) -> int:
+        """KV blocks on CUDA: profile the worst-case step with the weights loaded (and, when
+        decode steps will replay CUDA graphs, the largest captured step, whose activations the
+        graphs' memory pool holds from capture on), then give the cache what
+        gpu_memory_utilization of the device leaves (`memory.kv_cache_budget_bytes`)."""
+        dev = self.device
+        peak = self._profiled_peak(lambda: self.run_worst_case_step(config))
+        graph_pool = 0
+        if self.graphs_unavailable is None:
+            graph_pool = GRAPH_POOL_MARGIN * self._profiled_peak(lambda: self.run_graph_step(config))
+        torch.cuda.empty_cache()  # so that `free` counts the steps' released memory as free
         free, total = torch.cuda.mem_get_info(dev)
         profile = MemoryProfile(total=total, free=free, torch_allocated=torch.cuda.memory_allocated(dev),
-                                torch_reserved=torch.cuda.memory_reserved(dev), peak_activation=peak)
+                                torch_reserved=torch.cuda.memory_reserved(dev), peak_activation=peak,
+                                graph_pool=graph_pool)
         # The PyTorch backend's attention gathers, one layer at a time, the K/V of the blocks it
         # reads into the compute dtype (decodes: every decoding sequence's, padded per length
         # group): each block of the cache is given room for twice its one-layer gathered copy, in
@@ -311,11 +336,13 @@ class ModelRunner:
         num_blocks = budget // per_block
         logger.info(
             "GPU memory: %.2f GiB x gpu_memory_utilization %g = %.2f GiB: weights %.2f GiB, peak activations "
-            "%.2f GiB (profiled step of %d tokens), outside torch %.2f GiB (CUDA context, other processes), "
+            "%.2f GiB (profiled step of %d tokens), %soutside torch %.2f GiB (CUDA context, other processes), "
             "%sKV cache %.2f GiB = %d blocks = %d tokens in flight at most (%.1f requests of max_model_len %d)",
             total / GiB, config.gpu_memory_utilization, config.gpu_memory_utilization * total / GiB,
             profile.torch_allocated / GiB, peak / GiB,
             sum(profile_prompt_lens(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)),
+            f"CUDA graph pool {graph_pool / GiB:.2f} GiB ({GRAPH_POOL_MARGIN} x the profiled decode step of "
+            f"{self.max_graph_batch(config)}), " if graph_pool else "",
             profile.non_torch / GiB,
             f"the torch attention backend's gathered K/V {num_blocks * gather / GiB:.2f} GiB, " if gather else "",
             num_blocks * self.bytes_per_block / GiB, num_blocks, num_blocks * self.block_size,
@@ -369,19 +396,21 @@ class ModelRunner:
             self.kv_caches, self.draft_kv_caches = saved
         return num_blocks * self.bytes_per_block
 
+    @torch.inference_mode()
+    def run_graph_step(self, config: EngineConfig) -> int:
+        """Run eagerly the decode step the largest CUDA graph captures (every row padding: no
+        cache slot written or read) over a scratch KV cache of one block, with static buffers of
+        its own like the real graphs'; return that cache's bytes."""
+        scratch = self._make_caches(self.model.config, 1, self.device)
+        DecodeGraphs(self.model, scratch, self.max_graph_batch(config), self.block_size, self.max_model_len,
+                     self.device, capture=False).run_largest()
+        return sum(t.numel() * t.element_size() for layer in scratch for t in layer)
+
     def _swap(self, copies: list[tuple[int, int]], out: bool) -> None:
-        """Copy whole blocks between the device cache and the host pool, every layer."""
-        if not copies:
-            return
-        device_ids = torch.tensor([c[0 if out else 1] for c in copies], dtype=torch.long, device=self.device)
-        host_ids = torch.tensor([c[1 if out else 0] for c in copies], dtype=torch.long)
-        for device_kv, host_kv in zip(self.kv_caches + self.draft_kv_caches, self.host_kv_caches, strict=True):
-            for dev_cache, host_cache in zip(device_kv, host_kv, strict=True):
-                dev_cache, host_cache = indexable(dev_cache), indexable(host_cache)
-                if out:
-                    host_cache.index_copy_(0, host_ids, dev_cache.index_select(0, device_ids).cpu())
-                else:
-                    dev_cache.index_copy_(0, device_ids, host_cache.index_select(0, host_ids).to(self.device))
+        """Copy whole blocks between the device cache and the host pool, every layer: out,
+        (device block, host block) pairs; in, (host block, device block)."""
+        if copies:  # (none in the profiled step, which runs before the host pool exists)
+            swap_blocks(self.kv_caches + self.draft_kv_caches, self.host_kv_caches, copies, out)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -401,10 +430,7 @@ class ModelRunner:
         # Block copies first: a block swapped out this step may be reused by this step's tokens.
         self._swap(sched.blocks_to_swap_out, out=True)
         self._swap(sched.blocks_to_swap_in, out=False)
-        for src, dst in sched.blocks_to_copy:  # in order: a copy may read an earlier one's result
-            for layer in self.kv_caches + self.draft_kv_caches:
-                for cache in layer:
-                    cache[dst].copy_(cache[src])
+        copy_blocks(self.kv_caches + self.draft_kv_caches, sched.blocks_to_copy)  # copy-on-write, in order
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={})
         # Decodes (one query token) first, shortest context first, then prefill chunks, as the
@@ -461,16 +487,24 @@ class ModelRunner:
                 sample_req_ids.append(req_id)
                 sample_indices.append(len(input_ids) - 1)
 
-        dev = self.device
+        for _, first, drafts in spec_jobs:  # each scores its last known token and every draft
+            sample_indices.extend(range(first, first + len(drafts) + 1))
+        # The hidden rows that get logits: the first ones, in order (a step whose decodes are all
+        # sampled: plain indices ascend, so the last one says it), or gathered.
+        inputs = self.step_inputs
+        in_order = not spec_jobs and (not sample_indices or sample_indices[-1] == len(sample_indices) - 1)
+        sampled_rows = slice(0, len(sample_indices)) if in_order else inputs.longs(sample_indices)
         layout = BatchLayout(bs, slots, decode_tables, decode_seq_lens, prefill_q_lens, prefill_seq_lens, prefill_tables)
         if self.decode_graphs is not None and not prefill_q_lens and self.decode_graphs.fits(len(input_ids)):
+            inputs.upload()
             hidden = self.decode_graphs.run(input_ids, positions, layout)
         elif self.parallel is not None and self.parallel.pp_size > 1:
+            inputs.upload()
             hidden = pipeline_forward(self.model, self.parallel, input_ids, positions, layout, self.kv_caches)
         else:
-            meta = self.model.attn_backend.build_metadata(layout, dev)
-            input_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-            positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
+            meta = self._metadata(self.model, layout, inputs)
+            input_t, positions_t = inputs.longs(input_ids), inputs.longs(positions)
+            inputs.upload()
             hidden = self.model(input_t, positions_t, self.kv_caches, meta)
         drafted = self.draft_model is not None and sched.propose_drafts
         if drafted:
@@ -492,9 +526,7 @@ class ModelRunner:
         if not sample_req_ids and not spec_jobs:
             return out
 
-        for _, first, drafts in spec_jobs:  # each scores its last known token and every draft
-            sample_indices.extend(range(first, first + len(drafts) + 1))
-        logits = self.model.compute_logits(hidden[sample_indices])  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden[sampled_rows])  # [num_sampled, vocab]
         num_plain = len(sample_req_ids)
         if num_plain:
             states = [self.requests[req_id] for req_id in sample_req_ids]
@@ -523,6 +555,14 @@ class ModelRunner:
             self._propose_with_draft_model(list(out.sampled_token_ids), sched.num_drafts_to_propose, out)
         return out
 
+    def _metadata(self, model, layout: BatchLayout, inputs: StepInputs):
+        """`model`'s attention metadata for a forward pass: the Triton backend's tensors are
+        staged in `inputs` (valid once it uploads, with the pass's token ids and positions);
+        the PyTorch backend builds its own."""
+        if self.attention_backend == "triton":
+            return model.attn_backend.build_metadata(layout, self.device, inputs)
+        return model.attn_backend.build_metadata(layout, self.device)
+
     def _catch_up_draft_kv(self, order: list[tuple[str, int]]) -> None:
         """Write the draft model's K/V for the tokens of this step's requests that earlier steps
         computed without it (they ran while too many requests were running to speculate): one
@@ -544,10 +584,11 @@ class ModelRunner:
             state.draft_num_computed = end
         if not tokens:
             return
-        dev = self.device
-        meta = self.draft_model.attn_backend.build_metadata(BatchLayout(bs, slots, [], [], q_lens, seq_lens, tables), dev)
-        self.draft_model(torch.tensor(tokens, dtype=torch.long, device=dev),
-                         torch.tensor(positions, dtype=torch.long, device=dev), self.draft_kv_caches, meta)
+        inputs = self.draft_inputs
+        meta = self._metadata(self.draft_model, BatchLayout(bs, slots, [], [], q_lens, seq_lens, tables), inputs)
+        tokens_t, positions_t = inputs.longs(tokens), inputs.longs(positions)
+        inputs.upload()
+        self.draft_model(tokens_t, positions_t, self.draft_kv_caches, meta)
 
     def _propose_with_draft_model(self, req_ids: list[str], num_drafts: dict[str, int], out: ModelRunnerOutput) -> None:
         """Up to k drafts per request from the draft model: k batched single-token passes, pass i
@@ -572,7 +613,7 @@ class ModelRunner:
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
         num_drafts = [n for _, _, n in jobs]  # cut where a grammar ends (its stop token drafted)
-        dev = self.device
+        inputs = self.draft_inputs
         for i in range(max(num_drafts)):
             active = [j for j, n in enumerate(num_drafts) if n > i]
             if not active:
@@ -587,9 +628,10 @@ class ModelRunner:
                 tables.append(state.block_ids[: p // bs + 1])
                 seq_lens.append(p + 1)
                 rows.append(self._sampling_row(state, drafts[j]))
-            meta = self.draft_model.attn_backend.build_metadata(BatchLayout(bs, slots, tables, seq_lens, [], [], []), dev)
-            hidden = self.draft_model(torch.tensor(tokens, dtype=torch.long, device=dev),
-                                      torch.tensor(positions, dtype=torch.long, device=dev), self.draft_kv_caches, meta)
+            meta = self._metadata(self.draft_model, BatchLayout(bs, slots, tables, seq_lens, [], [], []), inputs)
+            tokens_t, positions_t = inputs.longs(tokens), inputs.longs(positions)
+            inputs.upload()
+            hidden = self.draft_model(tokens_t, positions_t, self.draft_kv_caches, meta)
             # A constrained request's drafts follow its grammar: q is masked like the target's p.
             allowed = self._allowed_tokens([jobs[j][0] for j in active])
             q = self.sampler.probs(self.draft_model.compute_logits(hidden), rows, allowed)

@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.layers.attention.backend import BatchLayout
 from tokenmill.layers.attention.triton_kernels import MAX_DECODE_SPLITS, paged_decode, paged_prefill, write_kv
+from tokenmill.worker.step_inputs import StepInputs
 
 # Split-K decode: enough programs to fill the GPU (ideally ~2 per SM), but never splits shorter
 # than MIN_SPLIT_TOKENS keys (each split is a partial output to write and combine), and at most
@@ -44,11 +45,6 @@ class PagedAttentionMetadata:
     prefill_max_query_len: int
 
 
-def _padded(tables: list[list[int]], device) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width).to(device)
-
-
 class TritonAttentionBackend:
     """Paged attention in Triton kernels: CUDA, or Triton's CPU interpreter (tests)."""
 
@@ -59,34 +55,48 @@ class TritonAttentionBackend:
                        if torch.cuda.is_available() else 4)
         self.num_sms = num_sms
 
-    def build_metadata(self, layout: BatchLayout, device) -> PagedAttentionMetadata:
-        num_decodes = len(layout.decode_tables)
+    def build_metadata(self, layout: BatchLayout, device, inputs: StepInputs | None = None) -> PagedAttentionMetadata:
+        """The step's metadata. With `inputs` its tensors are views of that step's upload, valid
+        once the caller has called `inputs.upload()` (with the token ids and positions it
+        staged there too); without, this call uploads them itself."""
+        staged = inputs if inputs is not None else StepInputs(device, pin=False)
         query_start = [0]
         for n in layout.prefill_query_lens:
             query_start.append(query_start[-1] + n)
-        return PagedAttentionMetadata(
-            num_decodes=num_decodes,
-            slot_mapping=torch.tensor(layout.slots, dtype=torch.long).to(device),
-            decode_block_tables=_padded(layout.decode_tables, device),
-            decode_seq_lens=torch.tensor(layout.decode_seq_lens, dtype=torch.int32).to(device),
+        meta = PagedAttentionMetadata(
+            num_decodes=len(layout.decode_tables),
+            slot_mapping=staged.longs(layout.slots),
+            decode_block_tables=staged.table(layout.decode_tables),  # padded with block 0
+            decode_seq_lens=staged.ints(layout.decode_seq_lens),
             decode_max_seq_len=max(layout.decode_seq_lens, default=0),
             num_prefills=len(layout.prefill_query_lens),
-            prefill_block_tables=_padded(layout.prefill_tables, device),
-            prefill_query_start=torch.tensor(query_start, dtype=torch.int32).to(device),
-            prefill_seq_lens=torch.tensor(layout.prefill_seq_lens, dtype=torch.int32).to(device),
+            prefill_block_tables=staged.table(layout.prefill_tables),
+            prefill_query_start=staged.ints(query_start),
+            prefill_seq_lens=staged.ints(layout.prefill_seq_lens),
             prefill_max_query_len=max(layout.prefill_query_lens, default=0),
         )
+        if inputs is None:
+            staged.upload()
+        return meta
 
     def forward(self, query, key, value, kv_cache, meta: PagedAttentionMetadata, scale: float,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_written: bool = False, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """`window`: each query sees only the `window` latest keys, itself included (a sliding
+        layer; a decode reads just those); `softcap`: scores become softcap * tanh(scores /
+        softcap) before the mask. As `TorchAttentionBackend.forward`."""
         if not kv_written:
             write_kv(key, value, meta.slot_mapping, kv_cache)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decodes
         if nd:
-            splits = decode_num_splits(nd, kv_cache[0].shape[2], meta.decode_max_seq_len, self.num_sms)
-            paged_decode(query[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, splits, out[:nd])
+            # The keys a decode reads: its window at most (a constant per layer, so a captured
+            # graph's split count stays the one it was captured with).
+            max_keys = meta.decode_max_seq_len if window is None else min(window, meta.decode_max_seq_len)
+            splits = decode_num_splits(nd, kv_cache[0].shape[2], max_keys, self.num_sms)
+            paged_decode(query[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, splits, out[:nd],
+                         window=window, softcap=softcap)
         if meta.num_prefills:
             paged_prefill(query[nd:], kv_cache, meta.prefill_block_tables, meta.prefill_query_start,
-                          meta.prefill_seq_lens, meta.prefill_max_query_len, scale, out[nd:])
+                          meta.prefill_seq_lens, meta.prefill_max_query_len, scale, out[nd:],
+                          window=window, softcap=softcap)
         return out

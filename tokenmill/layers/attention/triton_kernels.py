@@ -11,7 +11,13 @@ Three kernels, each with a launcher taking torch tensors:
 - `paged_prefill`: causal attention of variable-length query chunks, flash-attention style
   (tiles of queries against tiles of keys, online softmax, nothing of size q_len x seq_len),
   reading every key - the chunk's own and earlier context (chunked prefill, prefix-cache hits,
-  draft verification) - from the paged cache, where `write_kv` has just put them.
+  draft verification) - from the paged cache, where `write_kv` has just put them. A program's
+  rows are a few query positions times the query heads of one KV head, so each key tile is read
+  once for the whole group, as in decode.
+
+Both attention kernels take a sliding window (each query sees its `window` latest keys, itself
+included; key tiles wholly before a window are never read) and soft-capped scores (cap *
+tanh(score / cap), before the mask), with `TorchAttentionBackend.forward`'s semantics.
 
 Keys are gathered per token (`block_table[pos // block_size]`), so any block size works, and a
 tile of keys may span several cache blocks. Cache layout: `layers.attention.backend`.
@@ -19,7 +25,8 @@ tile of keys may span several cache blocks. Cache layout: `layers.attention.back
 Under Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) bfloat16
 arithmetic is not supported (its values are held as raw bits): the launchers then upcast the
 dot operands to float32 (`UPCAST`); compiled on a GPU, bf16 and fp16 operands go to the tensor
-cores as they are, with float32 accumulation.
+cores as they are, with float32 accumulation. float32 operands are multiplied in full float32
+unless the user allowed TF32 (`dot_precision`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,32 @@ def interpreting() -> bool:
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+    """Whether the dot operands of queries of `dtype` are upcast to float32: bf16 in the interpreter."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def _tf32_allowed() -> bool:
+    """Whether the user let float32 matmuls use TF32 in PyTorch."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        # torch >= 2.9: "tf32" after the new API or the legacy one (set_float32_matmul_precision
+        # "high" / "medium", allow_tf32), whose getters raise once the new API has been used.
+        return matmul.fp32_precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest" or matmul.allow_tf32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The `input_precision` of the attention kernels' `tl.dot`s for queries of `dtype`.
+
+    "tf32" (float32 operands rounded to TF32 on the tensor cores) only when the kernels are
+    compiled for a GPU, the queries are float32 and the user allowed TF32 in PyTorch
+    (`torch.set_float32_matmul_precision("high")`, `torch.backends.cuda.matmul.allow_tf32 =
+    True` or `.fp32_precision = "tf32"`); otherwise "ieee", full float32 products, which fp32
+    greedy parity with transformers needs. Always "ieee" in the interpreter. bf16 / fp16 operands
+    go to the tensor cores as they are, whatever this says."""
+    if dtype == torch.float32 and not interpreting() and _tf32_allowed():
+        return "tf32"
+    return "ieee"
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
@@ -113,21 +145,42 @@ def _load_kv_tile(cache_ptr, scale_ptr, tok, kvh, dims, nmask, dmask,
 
 
 @triton.jit
+def _tanh(x):
+    """float32 tanh from exp2 (Triton's interpreter has no tanh, libdevice is compiled-only):
+    (1 - t) / (1 + t) with t = e**(-2|x|), which tends to 0, never overflowing, as |x| grows;
+    below |x| = 1/8, where 1 - t would cancel, the odd Taylor series (to x**7: error < 2e-9 x)."""
+    a = tl.abs(x)
+    t = tl.exp2(a * -2.8853900817779268)  # -2 log2(e)
+    big = (1.0 - t) / (1.0 + t)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * -0.05396825396825397)))
+    y = tl.where(a < 0.125, small, big)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _attend_tile(q, m, l, acc, pos, nmask, visible, table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                 kvh, dims, dmask, qk_scale, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr):
+                 kvh, dims, dmask, qk_scale, softcap, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the keys at sequence positions `pos` (those with `nmask`, read through the block
     table at `table_ptr`) into the online softmax (m, l, acc) of the query rows `q`; `visible`
-    [rows, keys] masks scores. Scores are in log2 units (qk_scale includes log2 e)."""
+    [rows, keys] masks scores. Scores are in log2 units: q.k * qk_scale, where qk_scale is
+    scale * log2(e); with SOFTCAP, qk_scale is scale / cap and `softcap` is cap * log2(e), so
+    that the score is cap * tanh(q.k * scale / cap) * log2(e)."""
     blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=nmask, other=0)
     tok = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
     k = _load_kv_tile(k_cache_ptr, k_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
     v = _load_kv_tile(v_cache_ptr, v_scale_ptr, tok, kvh, dims, nmask, dmask, NUM_KV_HEADS, HEAD_DIM, QUANT)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        s = _tanh(s) * softcap
     s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every row sees at least one key of its first tile
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # A row that has seen no key yet (a padding row, or one whose window starts past this
+    # tile) keeps m = -inf: subtracting 0 instead leaves its alpha and p 0 rather than NaN.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l, acc
@@ -135,23 +188,29 @@ def _attend_tile(q, m, l, acc, pos, nmask, visible, table_ptr, k_cache_ptr, v_ca
 
 # The split count is a runtime argument, not specialized on: a step's count follows its batch
 # and longest sequence, and a constexpr would compile a variant of each kernel per count while
-# serving (a pause of a second or more at each new one).
-@triton.jit(do_not_specialize=["num_splits"])
+# serving (a pause of a second or more at each new one). The window likewise, so that layers of
+# different windows share one compiled kernel (whether there is one is a constexpr).
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
-    stride_qt, stride_qh, stride_table, qk_scale, num_splits,
+    stride_qt, stride_qh, stride_table, qk_scale, softcap, window, num_splits,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr,
     TILE_N: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Program (seq, kv_head, split): the GROUP query heads of kv_head against the split's
-    share of the sequence; writes the unnormalized output and the running (max, sum)."""
+    share of the keys the query sees (the last `window` with SLIDING, else all); writes the
+    unnormalized output and the running (max, sum)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-    start = split * per_split
+    first = 0  # the oldest key the query sees
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), TILE_N) * TILE_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -171,7 +230,7 @@ def _decode_split_kernel(
         nmask = pos < end
         m, l, acc = _attend_tile(q, m, l, acc, pos, nmask, nmask[None, :], tables_ptr + seq * stride_table,
                                  k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh, dims, dmask, qk_scale,
-                                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, QUANT, PRECISION)
+                                 softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, QUANT, PRECISION, SOFTCAP)
     # Partials: acc [seq, head, split, HEAD_DIM], (m, l) [seq, head, split, 2]
     part = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=rmask[:, None] & dmask[None, :])
@@ -205,49 +264,60 @@ def _decode_combine_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
-    out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_table, qk_scale,
+    out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_table, qk_scale, softcap, window,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-    QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Program (query tile, sequence, head): BLOCK_M queries of one chunk against the keys
-    they may see, positions 0 .. their own, read from the paged cache."""
+    """Program (query tile, sequence, kv_head): BLOCK_M queries of one chunk times the GROUP
+    query heads of kv_head, as the rows of one tile (row r: query r // GROUP, head r % GROUP;
+    the ROWS - BLOCK_M * GROUP last rows idle), against the keys they may see - positions 0 ..
+    their own, or with SLIDING only the `window` latest of those - read from the paged cache
+    once for the whole group."""
     tile = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     num_context = seq_len - q_len
-    kvh = head // GROUP
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, ROWS)
     dims = tl.arange(0, D_PAD)
-    rmask = rows < q_len
+    query = tile * BLOCK_M + rows // GROUP  # within the chunk
+    heads = kvh * GROUP + rows % GROUP
+    rmask = (rows < BLOCK_M * GROUP) & (query < q_len)
     dmask = dims < HEAD_DIM
-    q_pos = num_context + rows
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+    q_pos = num_context + query
+    tokens = q_start + query
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    kv_end = tl.minimum(seq_len, num_context + (tile + 1) * BLOCK_M)  # the tile's last row sees up to here
-    for n0 in range(0, kv_end, BLOCK_N):
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    kv_end = tl.minimum(seq_len, num_context + (tile + 1) * BLOCK_M)  # the tile's last query sees up to here
+    kv_start = 0
+    if SLIDING:  # the oldest key the tile's first query sees; later queries see from later on
+        kv_start = tl.maximum(num_context + tile * BLOCK_M - window + 1, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < kv_end
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         m, l, acc = _attend_tile(q, m, l, acc, pos, nmask, visible, tables_ptr + seq * stride_table,
                                  k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh, dims, dmask, qk_scale,
-                                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, QUANT, PRECISION)
-    o = acc / l[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                                 softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, QUANT, PRECISION, SOFTCAP)
+    o = acc / tl.maximum(l, 1e-30)[:, None]  # l = 0 only in rows not stored: idle, or past the chunk
+    tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
@@ -279,6 +349,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
     )
 
 
+def _score_args(scale: float, window: int | None, softcap: float | None) -> dict:
+    """The attention kernels' score arguments (`_attend_tile`): qk_scale and softcap, and the
+    window (0 and unread without one)."""
+    return dict(qk_scale=scale / softcap if softcap is not None else scale * _LOG2E,
+                softcap=softcap * _LOG2E if softcap is not None else 0.0, window=window or 0,
+                SLIDING=window is not None, SOFTCAP=softcap is not None)
+
+
 def paged_decode(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     kv_cache: tuple[torch.Tensor, ...],
@@ -288,22 +366,26 @@ def paged_decode(
     num_splits: int,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
     tile_n: int = 64,
+    window: int | None = None,  # the query sees its `window` latest keys, itself included
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
 ) -> None:
+    """Each sequence's keys (the last `window` of them with a window: nothing before is read)
+    are cut into `num_splits` ranges of whole key tiles, some possibly empty."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return
     key_cache, value_cache, key_scales, value_scales, quant = _cache_args(kv_cache)
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    upcast = _upcast(query.dtype)
     acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, acc, ml,
-        query.stride(0), query.stride(1), block_tables.stride(0), scale * _LOG2E, num_splits,
+        query.stride(0), query.stride(1), block_tables.stride(0), num_splits=num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         GROUP_PAD=_pow2(group), D_PAD=_pow2(head_dim), TILE_N=tile_n,
-        QUANT=quant, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
+        QUANT=quant, UPCAST=_upcast(query.dtype), PRECISION=dot_precision(query.dtype),
+        **_score_args(scale, window, softcap),
     )
     _decode_combine_kernel[(num_seqs, num_heads)](
         acc, ml, out, out.stride(0), out.stride(1), num_splits,
@@ -321,20 +403,28 @@ def paged_prefill(
     max_query_len: int,
     scale: float,
     out: torch.Tensor,  # like query, written
-    block_m: int = 64,
+    window: int | None = None,  # each query sees its `window` latest keys, itself included
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    tile_rows: int = 64,
     block_n: int = 64,
 ) -> None:
+    """A program's tile has `tile_rows` rows (a power of two, at least 16 for `tl.dot`; more
+    when a KV head's group is larger): tile_rows // group query positions times the group's
+    heads. Its keys, in tiles of `block_n`, start at the oldest one its first query sees."""
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return
     _, num_heads, head_dim = query.shape
     key_cache, value_cache, key_scales, value_scales, quant = _cache_args(kv_cache)
     _, block_size, num_kv_heads, _ = key_cache.shape
-    upcast = _upcast(query.dtype)
-    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_heads)](
+    group = num_heads // num_kv_heads
+    assert tile_rows >= 16 and tile_rows == triton.next_power_of_2(tile_rows), tile_rows
+    rows = max(tile_rows, triton.next_power_of_2(group))
+    block_m = rows // group  # query positions per tile
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_kv_heads)](
         query, key_cache, value_cache, key_scales, value_scales, block_tables, query_start, seq_lens, out,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * _LOG2E,
-        GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=_pow2(head_dim), QUANT=quant, UPCAST=upcast,
-        PRECISION="ieee" if upcast else "tf32",
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n, D_PAD=_pow2(head_dim), QUANT=quant,
+        UPCAST=_upcast(query.dtype), PRECISION=dot_precision(query.dtype), **_score_args(scale, window, softcap),
     )
