@@ -83,14 +83,7 @@ def _int8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_pid_m
-    pid_n = pid // num_pid_m
-    # rows and channels past the end wrap around (mod M, mod N) to valid memory, and their
-    # results are masked at the store: no masks in the loop
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    pid_m, pid_n, offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]: w.T's tile
@@ -116,12 +109,7 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERLEAVE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_pid_m
-    pid_n = pid // num_pid_m
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    pid_m, pid_n, offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, BLOCK_K)[None, :]
     if INTERLEAVE:  # [BLOCK_N, BLOCK_K / 2] bytes, contiguous along K, each byte's two codes interleaved
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
@@ -147,6 +135,20 @@ def _int4_gemm_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
     _store(y_ptr, acc, pid_m, pid_n, M, N, stride_ym, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile (pid_m, pid_n) and its row and channel offsets. Rows and
+    channels past the end wrap around (mod M, mod N) to valid memory and their results are
+    masked at the store (`_store`): no masks in the K loop."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    return pid_m, pid_n, offs_m, offs_n
 
 
 @triton.jit
