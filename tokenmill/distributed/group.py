@@ -15,7 +15,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import pickle
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from tokenmill.distributed.shm import ShmAllReduce, ShmMailbox
 # and its peers raise at once; this bounds a rank that hangs).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 MAILBOX_BYTES = 8 << 20  # a step message larger than this (pickled) goes over gloo
+ARRIVAL_POLL_SECONDS = 0.05  # how often rank 0 looks for ranks that have not arrived yet
 
 
 class ParallelGroup:
@@ -46,21 +49,33 @@ class ParallelGroup:
             if stage == self.pp_rank:
                 self.tp_group = group
         self.cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.world = dist.group.WORLD  # the default group init_parallel created for this engine: `close` destroys it
         self.shm = self.mailbox = None
         if shm is not None:
-            path = Path(f"{shm[0]}-steps")
-            if rank == 0:
-                self.mailbox = ShmMailbox(path, 0, self.world_size, MAILBOX_BYTES, create=True)
-            dist.barrier(group=self.cpu_group)
-            if rank != 0:
-                self.mailbox = ShmMailbox(path, rank, self.world_size, MAILBOX_BYTES, create=False)
-        if shm is not None and tp_size > 1 and device.type == "cpu":
-            path = Path(f"{shm[0]}-stage{self.pp_rank}")
-            if self.tp_rank == 0:
-                self.shm = ShmAllReduce(path, 0, tp_size, shm[1], create=True)
-            dist.barrier(group=self.tp_group)
-            if self.tp_rank != 0:
-                self.shm = ShmAllReduce(path, self.tp_rank, tp_size, shm[1], create=False)
+            self._map_shared_memory(shm[0], shm[1], sums=tp_size > 1 and device.type == "cpu")
+
+    def _map_shared_memory(self, prefix: str, slot_bytes: int, sums: bool) -> None:
+        """The step mailbox (rank 0 creates its file) and on a CPU with tp > 1 each stage's
+        all-reduce (its tp_rank 0 creates one): created, mapped by every rank, and then their names
+        removed, so no file outlives the ranks however they end (the mappings keep the memory)."""
+        steps, stage = Path(f"{prefix}-steps"), Path(f"{prefix}-stage{self.pp_rank}")
+        created: list[Path] = []
+        try:
+            if self.rank == 0:
+                created.append(steps)
+                self.mailbox = ShmMailbox(steps, 0, self.world_size, MAILBOX_BYTES, create=True)
+            if sums and self.tp_rank == 0:
+                created.append(stage)
+                self.shm = ShmAllReduce(stage, 0, self.tp_size, slot_bytes, create=True)
+            dist.barrier(group=self.cpu_group)  # every file exists
+            if self.rank != 0:
+                self.mailbox = ShmMailbox(steps, self.rank, self.world_size, MAILBOX_BYTES, create=False)
+            if sums and self.tp_rank != 0:
+                self.shm = ShmAllReduce(stage, self.tp_rank, self.tp_size, slot_bytes, create=False)
+            dist.barrier(group=self.cpu_group)  # every rank has mapped its files
+        finally:
+            for path in created:
+                path.unlink(missing_ok=True)
 
     def set_liveness_check(self, check) -> None:
         """`check()` runs now and then while this rank waits for its peers in shared memory (an
@@ -71,12 +86,11 @@ class ParallelGroup:
                 waiter.alive = check
 
     def close(self) -> None:
-        """Leave the process group; the rank that created the shared-memory file removes it."""
-        if self.shm is not None:
-            self.shm.close(unlink=self.tp_rank == 0)
-        if self.mailbox is not None:
-            self.mailbox.close(unlink=self.rank == 0)
-        if dist.is_initialized():
+        """Leave the engine's process group: destroy the default group if it is still the one
+        init_parallel created (a later engine in this process then creates its own), and drop the
+        shared memory. Idempotent; no collective may run on this group afterwards."""
+        self.shm = self.mailbox = None
+        if dist.is_initialized() and dist.group.WORLD is self.world:
             dist.destroy_process_group()
 
     @property
@@ -153,14 +167,57 @@ class ParallelGroup:
         return int(t.item())
 
 
+class Rendezvous:
+    """Where the ranks of one engine meet: the TCPStore at `tcp://host:port`, hosted by rank 0.
+    Each rank announces itself there on arrival, before it joins the process group, and rank 0
+    joins only once every rank has (`wait_for_ranks`): a rank that dies while it starts leaves
+    rank 0 waiting here, where it checks on it and where Ctrl-C reaches it, never inside
+    torch.distributed's own rendezvous, which can be neither interrupted nor abandoned (a
+    thread left in it would confuse the next process group this process creates)."""
+
+    def __init__(self, init_method: str, rank: int, world_size: int):
+        address = urlsplit(init_method)
+        self.world_size = world_size
+        self.store = dist.TCPStore(address.hostname, address.port, world_size, is_master=rank == 0,
+                                   timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        self.store.set(self._arrived(rank), b"")
+
+    @classmethod
+    def at(cls, init_method: str, rank: int, world_size: int) -> "Rendezvous | None":
+        """This rank's arrival at `init_method`: a Rendezvous for tcp://host:port, None for env://
+        (torchrun's, which init_process_group reads by itself)."""
+        return cls(init_method, rank, world_size) if init_method.startswith("tcp://") else None
+
+    @staticmethod
+    def _arrived(rank: int) -> str:
+        return f"tokenmill/arrived/{rank}"
+
+    def wait_for_ranks(self, check=lambda: None) -> None:
+        """Return once every rank has arrived; `check()` runs every ARRIVAL_POLL_SECONDS and may
+        raise (a local worker that exited). RuntimeError after COLLECTIVE_TIMEOUT."""
+        keys = [self._arrived(r) for r in range(self.world_size)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not self.store.check(keys):
+            check()
+            if time.monotonic() > deadline:
+                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+                raise RuntimeError(f"ranks {missing} did not arrive in {COLLECTIVE_TIMEOUT}")
+            time.sleep(ARRIVAL_POLL_SECONDS)
+
+
 def init_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
-                  shm: tuple[str, int] | None = None) -> ParallelGroup:
+                  shm: tuple[str, int] | None = None, rendezvous: Rendezvous | None = None) -> ParallelGroup:
     """Join the engine's process group (blocks until every rank has joined): NCCL on CUDA, else
-    gloo, with `shm` as ParallelGroup takes it."""
+    gloo, with `shm` as ParallelGroup takes it. The ranks meet at `rendezvous` when given (made
+    for `init_method`), else at `init_method` itself (`env://`, torchrun's)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size * pp_size,
-                            timeout=COLLECTIVE_TIMEOUT)
-    return ParallelGroup(rank, tp_size, pp_size, device, shm)
+    meet = {"store": rendezvous.store} if rendezvous is not None else {"init_method": init_method}
+    dist.init_process_group(backend, rank=rank, world_size=tp_size * pp_size, timeout=COLLECTIVE_TIMEOUT, **meet)
+    try:
+        return ParallelGroup(rank, tp_size, pp_size, device, shm)
+    except BaseException:
+        dist.destroy_process_group()  # (a peer that failed): this process may build an engine again
+        raise
 
 
 def output_digest(sampled_token_ids: dict[str, list[int]]) -> bytes:

@@ -17,6 +17,10 @@ ranks of the machine the same way, in place of a gloo broadcast (two loopback ro
 sequence number for the message, one acknowledgement per reader, and rank 0 writes message k + 1
 only once every reader has acknowledged message k. A reader that waits long (an idle server)
 sleeps between looks, up to `MAX_IDLE_SLEEP`.
+
+Each file is named only while the ranks start: once every rank has mapped it, its creator
+removes the name (group.py), and the memory goes with the last rank's mapping, however the
+ranks end.
 """
 
 from __future__ import annotations
@@ -101,10 +105,6 @@ class ShmAllReduce:
         wait_until(lambda: self.seq.min() >= call, self.alive, self.timeout,
                    lambda: f"ranks {[r for r in range(self.size) if self.seq[r] < call]} did not reach the all-reduce")
 
-    def close(self, unlink: bool) -> None:
-        if unlink:
-            self.path.unlink(missing_ok=True)
-
 
 def wait_until(ready, alive, timeout: float | None, late) -> None:
     """Return once `ready()`: spin a little, then yield the core between looks, then (after
@@ -169,7 +169,3 @@ class ShmMailbox:
         message = self.NOT_CARRIED if length < 0 else self.data[:length].tobytes()
         self.acks[self.rank] = self.count
         return message
-
-    def close(self, unlink: bool) -> None:
-        if unlink:
-            self.path.unlink(missing_ok=True)

@@ -46,35 +46,39 @@ class EngineCore:
             self.runner = self.executor.runner
         else:
             self.executor = self.runner = ModelRunner(config, checkpoint, self.device, self.dtype, self.max_model_len)
-        # Blocks no layer's window reaches are freed early (every layer slides; a draft model,
-        # whose layers may not, reads the same tables).
-        window = arch.sliding_window if arch.all_layers_slide and self.runner.draft_model is None else None
-        self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            num_host_blocks=self.runner.num_host_blocks, sliding_window=window,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
-                spec_adaptive=config.speculative_adaptive,
-                spec_max_running=config.speculative_max_running,
-                spec_lookahead=config.num_speculative_tokens if config.speculative_method == "draft" else 0,
-            ),
-            self.kv_cache_manager,
-        )
-        logger.info(
-            "engine ready: %s on %s (%s, %d threads, %s attention), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
-            "(%s, %.0f MiB) + %d host blocks for swapping, prefix caching %s, max_model_len %d",
-            checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.attention_backend,
-            self.runner.load_seconds,
-            self.runner.num_blocks, config.block_size, self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
-            self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
-            self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,
-        )
+        try:
+            # Blocks no layer's window reaches are freed early (every layer slides; a draft model,
+            # whose layers may not, reads the same tables).
+            window = arch.sliding_window if arch.all_layers_slide and self.runner.draft_model is None else None
+            self.kv_cache_manager = KVCacheManager(
+                self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+                num_host_blocks=self.runner.num_host_blocks, sliding_window=window,
+            )
+            self.scheduler = Scheduler(
+                SchedulerConfig(
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                    enable_chunked_prefill=config.enable_chunked_prefill,
+                    num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
+                    spec_adaptive=config.speculative_adaptive,
+                    spec_max_running=config.speculative_max_running,
+                    spec_lookahead=config.num_speculative_tokens if config.speculative_method == "draft" else 0,
+                ),
+                self.kv_cache_manager,
+            )
+            logger.info(
+                "engine ready: %s on %s (%s, %d threads, %s attention), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
+                "(%s, %.0f MiB) + %d host blocks for swapping, prefix caching %s, max_model_len %d",
+                checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.attention_backend,
+                self.runner.load_seconds,
+                self.runner.num_blocks, config.block_size, self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+                self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
+                self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,
+            )
+        except BaseException:  # the ranks already started do not outlive a failed start
+            self.shutdown()
+            raise
         if config.speculative_method:
             logger.info(
                 "speculative decoding: %s, up to %d drafts per request and step, adaptive %s, "
@@ -90,7 +94,8 @@ class EngineCore:
             self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the other ranks (split over ranks; a no-op otherwise)."""
+        """Stop the other ranks and leave the process group (split over ranks; a no-op otherwise).
+        Idempotent."""
         if self.executor is not self.runner:
             self.executor.shutdown()
 

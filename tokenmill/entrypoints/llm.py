@@ -16,7 +16,13 @@ Messages = list[dict]
 
 class LLM:
     """An engine in this process. Keyword arguments are `EngineConfig` fields (unknown ones are
-    an error), e.g. `LLM("smollm2-135m", dtype="float32", max_num_batched_tokens=512)`."""
+    an error), e.g. `LLM("smollm2-135m", dtype="float32", max_num_batched_tokens=512)`.
+
+    Split over ranks (`tensor_parallel_size`, `pipeline_parallel_size`), it holds worker
+    processes and this process's torch.distributed group until `shutdown()`, the end of a
+    `with LLM(...) as llm:` block, `del llm` (its last reference) or the interpreter's exit,
+    whichever comes first; another engine, of any shape, may be built after that. The workers
+    end with this process however it ends."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
@@ -27,9 +33,20 @@ class LLM:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's other ranks when the model is split over several (they also end with
-        this process); the LLM cannot generate afterwards."""
-        self.engine.core.shutdown()
+        """With the model split over ranks, stop the other ranks and leave the process group (the
+        LLM cannot generate afterwards); otherwise nothing. Idempotent."""
+        engine = getattr(self, "engine", None)  # (none when the constructor raised)
+        if engine is not None:
+            engine.core.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -14,11 +14,16 @@ holds rank 0 and the server, the others only workers (`run_node`). Under `torchr
 is one rank and nothing is spawned. A rank that exits is noticed before the next step (and while
 idle, by `check_health`), a rank that dies inside a collective makes its peers' collective raise:
 either way the engine stops with an error naming the rank, never hangs.
+
+Lifetime: a worker never outlives the engine's process, however that process ends (lifeline.py).
+`MultiprocExecutor.shutdown`, which also runs when the executor is garbage-collected, when the
+interpreter exits and when the constructor raises, stops the workers and destroys the process
+group, so engines of any shape may follow one another in one process.
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,20 +33,25 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenmill.distributed import ShardPlan, init_parallel
+from tokenmill.distributed import ParallelGroup, Rendezvous, ShardPlan, init_parallel
 from tokenmill.distributed.group import output_digest
 from tokenmill.distributed.shm import shm_dir
+from tokenmill.executor.lifeline import write_frame
 from tokenmill.executor.worker import WorkerArgs, rank_device, worker_main
 from tokenmill.models.loader import LoadedCheckpoint
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT = 10.0  # how long idle workers get to leave their loop at shutdown
+TERMINATE_GRACE = 5.0  # from SIGTERM to SIGKILL for a worker that must be ended
 
 
 @dataclass(frozen=True)
@@ -94,14 +104,20 @@ def without_grammars(sched: SchedulerOutput) -> SchedulerOutput:
 
 
 class WorkerProcess:
-    """A worker rank in a child process of its own (`python -m tokenmill.executor`, its arguments
-    pickled on stdin): nothing of the parent's main module is imported again."""
+    """A worker rank in a child process of its own (`python -m tokenmill.executor PARENT_PID`, its
+    arguments pickled on stdin): nothing of the parent's main module is imported again, and it
+    ends with this process however this process ends (lifeline.py: stdin stays open until `end`)."""
 
     def __init__(self, args: WorkerArgs):
         self.args = args
-        self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.executor"], stdin=subprocess.PIPE)
-        self.process.stdin.write(pickle.dumps(args))
-        self.process.stdin.close()
+        command = [sys.executable, "-m", "tokenmill.executor", str(os.getpid())]
+        if threading.current_thread() is threading.main_thread():
+            command.append("--pdeathsig")
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE)
+        try:
+            write_frame(self.process.stdin, pickle.dumps(args))
+        except BrokenPipeError:  # it exited already: check_health names it
+            pass
 
     @property
     def pid(self) -> int:
@@ -117,16 +133,78 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             pass
 
-    def terminate(self) -> None:
-        self.process.terminate()
-        self.join(5)
+    def end(self, grace: float = TERMINATE_GRACE) -> None:
+        """SIGTERM if it still runs, SIGKILL `grace` seconds later; return once it has exited."""
         if self.exitcode is None:
-            self.process.kill()
+            self.process.terminate()
+            self.join(grace)
+            if self.exitcode is None:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+
+
+class LocalRanks:
+    """What an engine split over ranks holds in this process besides its model: the worker
+    processes it started and the process group it joined. `release` gives all of it back, once.
+    Nothing here refers to the executor, so the executor's finalizer may hold it."""
+
+    def __init__(self):
+        self.workers: dict[int, WorkerProcess] = {}
+        self.parallel: ParallelGroup | None = None
+        # Every worker waits for rank 0's next message (set once they have started, cleared
+        # while a step runs): only then does a stop message reach them.
+        self.idle = False
+        self.released = False
+
+    def check_health(self) -> None:
+        """Raise RuntimeError naming a local worker rank that has exited."""
+        for rank, process in self.workers.items():
+            if process.exitcode is not None:
+                raise RuntimeError(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}; "
+                                   "the engine cannot run without it")
+
+    def release(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop the workers (idle ones leave their loop; any other, starting or stuck in a
+        collective rank 0 left, is terminated), then leave the process group."""
+        if self.released:
+            return
+        self.released = True
+        stop = None
+        deadline = time.monotonic() + timeout
+        if self.idle and self.parallel is not None and all(p.exitcode is None for p in self.workers.values()):
+            # (workers on other machines leave their loop too)
+            stop = threading.Thread(target=self._send_stop, daemon=True)
+            stop.start()
+            for process in self.workers.values():
+                process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.workers.values():
+            process.end()
+        if self.parallel is None:
+            return
+        if stop is not None:
+            stop.join(max(0.0, deadline - time.monotonic()))
+            if stop.is_alive():  # a rank on another machine that does not answer
+                logger.warning("a rank did not take the stop message in %gs; the process group is left as it is",
+                               timeout)
+                return
+        self.parallel.close()
+
+    def _send_stop(self) -> None:
+        try:
+            self.parallel.broadcast_object(None)
+        except RuntimeError:  # a worker exited meanwhile
+            pass
 
 
 class MultiprocExecutor:
     """Rank 0's side: spawns this machine's other ranks, joins the process group, and stands in
-    for the runner behind `execute_model`. `runner` is rank 0's own ModelRunner."""
+    for the runner behind `execute_model`. `runner` is rank 0's own ModelRunner.
+
+    Contract: `shutdown` (idempotent) stops every worker and leaves the process group, after which
+    another engine, of any shape, may be built in this process; it runs by itself when the
+    executor is garbage-collected or the interpreter exits, and when the constructor raises."""
 
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, device: str, dtype: str, max_model_len: int):
         launch = Launch.from_config(config)
@@ -136,6 +214,9 @@ class MultiprocExecutor:
         if checkpoint.quantization is not None:
             raise ConfigError("tensor_parallel_size", f"{checkpoint.source.name} was written by `tokenmill quantize`; "
                               "a model split over ranks loads dense, GGUF or round-to-nearest weights")
+        if torch.distributed.is_initialized():
+            raise RuntimeError("this process already has a torch.distributed process group (an engine split over "
+                               "ranks that is still open?): call its shutdown() (or build it in `with LLM(...)`) first")
         threads = threads_per_rank(config, len(launch.ranks))
         torch.set_num_threads(threads)
         # Every rank on this machine: step messages (and on a CPU tensor-parallel sums) through shared memory.
@@ -143,20 +224,30 @@ class MultiprocExecutor:
         if config.nnodes == 1 and not launch.torchrun:
             slot_bytes = config.max_num_batched_tokens * checkpoint.config.hidden_size * 4
             shm = (str(shm_dir() / f"tokenmill-allreduce-{os.getpid()}-{launch.init_method.rsplit(':', 1)[-1]}"), slot_bytes)
-        self.workers = {rank: WorkerProcess(WorkerArgs(config, rank, rank - launch.rank, launch.init_method, device, dtype,
-                                                       max_model_len, threads, shm))
-                         for rank in launch.ranks[1:]}
-        self._closed = False
-        self.parallel = self._while_workers_live(lambda: init_parallel(
-            0, config.tensor_parallel_size, config.pipeline_parallel_size, launch.init_method, rank_device(device, 0), shm))
-        self.parallel.set_liveness_check(self.check_health)
-        self.runner = ModelRunner(config, checkpoint, device, dtype, max_model_len, self.parallel)
+        self.ranks = LocalRanks()
+        self._finalizer = weakref.finalize(self, self.ranks.release)
+        try:
+            rendezvous = Rendezvous.at(launch.init_method, 0, launch.world_size)
+            for rank in launch.ranks[1:]:
+                self.ranks.workers[rank] = WorkerProcess(WorkerArgs(
+                    config, rank, rank - launch.rank, launch.init_method, device, dtype, max_model_len, threads, shm))
+            if rendezvous is not None:  # (the long wait, while the workers start: here, not inside torch.distributed)
+                rendezvous.wait_for_ranks(self.ranks.check_health)
+            self.parallel = self.ranks.parallel = self._while_workers_live(lambda: init_parallel(
+                0, config.tensor_parallel_size, config.pipeline_parallel_size, launch.init_method, rank_device(device, 0),
+                shm, rendezvous))
+            self.parallel.set_liveness_check(self.ranks.check_health)
+            self.runner = ModelRunner(config, checkpoint, device, dtype, max_model_len, self.parallel)
+        except BaseException:  # a worker that failed, a config error, Ctrl-C: no rank is left behind
+            self.shutdown()
+            raise
+        self.ranks.idle = True
         self._last_digest: bytes | None = None
-        atexit.register(self.shutdown)  # an LLM never shut down still stops its ranks with this process
         logger.info("%d ranks (tensor parallel %d x pipeline parallel %d, %s), %d threads each; rank 0 here, %s",
                     launch.world_size, config.tensor_parallel_size, config.pipeline_parallel_size,
                     torch.distributed.get_backend(), threads,
-                    ", ".join(f"rank {r} pid {p.pid}" for r, p in self.workers.items()) or "the others under torchrun or on other nodes")
+                    ", ".join(f"rank {r} pid {p.pid}" for r, p in self.ranks.workers.items())
+                    or "the others under torchrun or on other nodes")
 
     def _while_workers_live(self, fn):
         """fn(), which blocks until every rank joins, given up with an error if a local worker exits first."""
@@ -181,13 +272,13 @@ class MultiprocExecutor:
 
     def check_health(self) -> None:
         """Raise RuntimeError naming a local worker rank that has exited."""
-        for rank, process in self.workers.items():
-            if process.exitcode is not None:
-                raise RuntimeError(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}; "
-                                   "the engine cannot run without it")
+        self.ranks.check_health()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.ranks.released:
+            raise RuntimeError("the engine was shut down")
         self.check_health()
+        self.ranks.idle = False
         try:
             self.parallel.broadcast_object((without_grammars(sched), self._last_digest))
             out = self.runner.execute_model(sched)
@@ -195,41 +286,13 @@ class MultiprocExecutor:
             time.sleep(0.5)  # a peer that broke the collective is usually gone by now: name it
             self.check_health()
             raise
+        self.ranks.idle = True
         self._last_digest = output_digest(out.sampled_token_ids)
         return out
 
-    def _send_stop(self) -> None:
-        try:
-            self.parallel.broadcast_object(None)
-        except RuntimeError:
-            pass
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the workers (they leave their loop) and leave the process group."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.shutdown)
-        stop = None
-        if all(p.exitcode is None for p in self.workers.values()):
-            # Workers waiting for a step (here or on other machines) leave their loop; ones stuck in
-            # a collective rank 0 left (a step that raised half-way) do not answer: local ones are
-            # terminated below, and the process group is then left as it is.
-            stop = threading.Thread(target=self._send_stop, daemon=True)
-            stop.start()
-        deadline = time.monotonic() + timeout
-        for process in self.workers.values():
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.exitcode is None:
-                process.terminate()
-        if stop is not None:
-            stop.join(max(0.0, deadline - time.monotonic()))
-        if (stop is None or not stop.is_alive()) and not any(p.exitcode is None for p in self.workers.values()):
-            self.parallel.close()
-        else:  # a rank that did not stop: the shared-memory files go all the same
-            for waiter in (self.parallel.shm, self.parallel.mailbox):
-                if waiter is not None:
-                    waiter.close(unlink=True)
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (see the class's contract)."""
+        self._finalizer()
 
 
 def holds_rank_zero(config: EngineConfig) -> bool:
@@ -249,7 +312,12 @@ def run_node(config: EngineConfig) -> None:
     others = [WorkerProcess(a) for a in args[1:]]
     logger.info("node %d: ranks %d..%d of %d, rank 0 at %s", config.node_rank, launch.ranks.start, launch.ranks.stop - 1,
                 launch.world_size, launch.init_method)
-    worker_main(args[0])
+    try:
+        worker_main(args[0])
+    except BaseException:
+        for process in others:
+            process.end()
+        raise
     for process in others:
         process.join()
         if process.exitcode:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import init_parallel
+from tokenmill.distributed import Rendezvous, init_parallel
 from tokenmill.distributed.group import output_digest
 from tokenmill.models.loader import load_checkpoint
 from tokenmill.models.registry import resolve_model
@@ -45,8 +45,9 @@ def worker_main(args: WorkerArgs) -> None:
         keep_large_allocations_in_heap()
     else:
         torch.cuda.set_device(dev)
+    rendezvous = Rendezvous.at(args.init_method, rank, config.world_size)
     parallel = init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size, args.init_method, dev,
-                             args.shm)
+                             args.shm, rendezvous)
     parent = os.getppid()
 
     def parent_alive() -> None:  # a worker whose engine process died stops waiting for it
