@@ -50,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=d.quantization,
                         help="the linear layers' weight format: auto = as the checkpoint stores them (a GGUF file's "
                              "Q4_0/Q4_1/Q4_K tensors as int4 with the file's own scales, Q6_K as int6 with its own (CPU "
-                             "kernels below AVX-512 BF16), other wider types such as Q8_0 as int8, float tensors dense; a Hugging Face checkpoint dense); none = dense in --dtype (a "
+                             "kernels, AVX2 and up), other wider types such as Q8_0 as int8, float tensors dense; a Hugging Face checkpoint dense); none = dense in --dtype (a "
                              "GGUF file dequantized); or quantize on load: int8 (weight-only, per output channel), int4 "
                              "(weight-only, groups of --quantization-group-size), w8a8 (int8 weights and per-token int8 "
                              "activations), fp8 (E4M3 weights; on CPU a storage format), the LM head as "

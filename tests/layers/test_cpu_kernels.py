@@ -17,6 +17,7 @@ from tests.layers.test_attention import random_step, reference
 from tokenmill.layers import cpu_kernels
 from tokenmill.layers.attention import TorchAttentionBackend, prefill_kernel_takes
 from tokenmill.layers.attention.kv_quant import dequantize_kv, quantize_kv
+from tokenmill.layers.linear import INT6_GEMM_MIN_ROWS
 from tokenmill.layers.rotary import RotaryEmbedding
 
 kernels = cpu_kernels.load()
@@ -522,8 +523,45 @@ def test_int6_linear_matches_the_dequantized_weight(level, rows, out_features, i
     # the scales as the kernel reads them (bf16), x as int8 per block of 32
     bf16_weight = ((codes.float() - 32).view(out_features, -1, 16) * scales.bfloat16().float()[..., None]).view_as(weight)
     torch.testing.assert_close(got.float(), int8_blocks(x.float()) @ bf16_weight.t(), atol=1e-2, rtol=2**-7)
-    assert torch.equal(layer(x), got)
+    # the layer: int6_linear, or above its max_rows (avx512_bf16) int6_gemm on the same tiles
+    many = 0 < layer.max_rows < rows
+    assert layer.max_rows == (INT6_GEMM_MIN_ROWS - 1 if level.native_bf16() else 0)
+    kernel = level.int6_gemm if many else level.int6_linear
+    assert torch.equal(layer(x), kernel(x, layer.low, layer.high, layer.tile_scales))
     torch.testing.assert_close(got.float(), x.float() @ weight.t(), atol=6e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.native_bf16(), reason="int6_gemm needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 8, 37, 260])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (40, 1536), (8, 32)])
+def test_int6_gemm_matches_the_weight_widened_to_bf16(rows, out_features, in_features, with_bias):
+    """int6_gemm (Int6Linear's many rows at avx512_bf16) on the int6 tiles: every weight scale x
+    (q - 32) rounded once to bf16, bf16 x in exact products summed in fp32, rounded once; with the
+    bf16 scales and with a Q6_K record's own factors, partial panels of 32 channels too."""
+    from tokenmill.layers.linear import Int6Linear
+
+    g = torch.Generator().manual_seed(rows + out_features)
+    codes = torch.randint(0, 64, (out_features, in_features), generator=g).to(torch.uint8)
+    scales = torch.rand(out_features, in_features // 16, generator=g) * 0.005 - 0.00125
+    records = [{"codes": codes, "scales": scales}]
+    if in_features % 256 == 0:
+        factors = torch.randint(-128, 128, (out_features, in_features // 16), generator=g).to(torch.int8)
+        super_factors = (torch.rand(out_features, in_features // 256, generator=g) * 1e-4 + 1e-5).half()
+        records.append({"codes": codes, "factors": factors, "super_factors": super_factors,
+                        "scales": super_factors.float().repeat_interleave(16, 1) * factors})
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    for record in records:
+        layer = Int6Linear(record, None, kernels)
+        table_scales = record["scales"] if "factors" in record else record["scales"].bfloat16().float()
+        weight = ((codes.float() - 32).view(out_features, -1, 16) * table_scales[..., None]).view(out_features, -1)
+        expected = x.float() @ weight.bfloat16().float().t() + (0 if bias is None else bias)
+        got = kernels.int6_gemm(x, layer.low, layer.high, layer.tile_scales, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    with pytest.raises(RuntimeError, match="low"):
+        kernels.int6_gemm(x[:, :16].contiguous(), layer.low, layer.high, layer.tile_scales)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
@@ -545,11 +583,11 @@ def test_int6_linear_reads_a_q6_k_records_own_factors(level, rows):
     assert layer.tile_scales.dtype == torch.uint8 and layer.tile_scales.shape == (5, 2, 144)
     assert layer.tile_scales.numel() * 8 / (out_features * in_features) == 0.5625  # bits beside the 6 of a code
     x = torch.randn(rows, in_features, generator=g)  # fp32 at every level: no bf16 rounding of y
-    got = layer(x)
+    got = level.int6_linear(x, layer.low, layer.high, layer.tile_scales)
     weight = (codes.double() - 32) * scales.double().repeat_interleave(16, 1)
     expected = int8_blocks(x.float()).double() @ weight.t()
     exact_error = (got.double() - expected).abs().max().item()
-    rounded_error = (plain(x).double() - expected).abs().max().item()
+    rounded_error = (level.int6_linear(x, plain.low, plain.high, plain.tile_scales).double() - expected).abs().max().item()
     assert exact_error < 1e-5 * expected.abs().max().item() and exact_error < rounded_error / 10, (exact_error, rounded_error)
 
 

@@ -223,17 +223,18 @@ def test_methods_with_int6():
     assert gguf_blocks.stacked_methods(["Q4_K", "Q4_K"], int6=True) is None
 
 
-def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
+@pytest.mark.parametrize("level", ["avx2", "avx512_bf16"])
+def test_q6_k_runs_as_int6(tmp_path, monkeypatch, level):
     """A Q4_K_M-like file: Q6_K down projection and LM head as int6 records of the file's own
-    codes (with the CPU kernels below avx512_bf16), a qkv mixing Q4 and Q6_K as an int4 and an
-    int6 layer side by side, the logits
-    those of the dequantized weights within the kernels' activation rounding."""
+    codes (with the CPU kernels at every level; at avx512_bf16 many rows through int6_gemm), a
+    qkv mixing Q4 and Q6_K as an int4 and an int6 layer side by side, the logits those of the
+    dequantized weights within the kernels' activation rounding."""
     from tokenmill.layers.linear import Int6Linear, StackedLinear
 
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=False)
     types = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q6_K, "attn_output.weight": T.Q4_0,
              "ffn_gate.weight": T.Q4_1, "ffn_up.weight": T.Q4_1, "ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K}
-    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, types)
+    auto, dense = engines_at(tmp_path, monkeypatch, config, types, level=level)
     model = auto.engine.core.runner.model
     assert isinstance(model.layers[0].mlp.down_proj, Int6Linear) and model.layers[0].mlp.down_proj.kernel is not None
     assert isinstance(model.lm_head, Int6Linear)
@@ -242,8 +243,9 @@ def test_q6_k_runs_as_int6(tmp_path, monkeypatch):
     # the layer's weight is the file's: dequantized, the dense model's
     down = model.layers[0].mlp.down_proj
     ref = dense.engine.core.runner.model.layers[0].mlp.down_proj
-    x = torch.randn(3, 256)
-    torch.testing.assert_close(down(x), ref(x), atol=0.05 * ref(x).abs().max().item(), rtol=0)
+    for rows in (3, 20):  # (at avx512_bf16 int6_linear, then int6_gemm)
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(down(x), ref(x), atol=0.05 * ref(x).abs().max().item(), rtol=0)
     assert_prompt_logprobs_close(auto, dense, seed=5)
 
 
@@ -267,15 +269,16 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), factors, qs], axis=1).reshape(n, -1)
 
 
-def engines_at_avx2(tmp_path, monkeypatch, config, types: dict, permute_qk: bool = False) -> tuple[LLM, LLM]:
+def engines_at(tmp_path, monkeypatch, config, types: dict, permute_qk: bool = False,
+               level: str = "avx2") -> tuple[LLM, LLM]:
     """A random `config` model written as a GGUF file with `types` (Q4_K and Q6_K by the
     quantizers above), loaded with the avx2 kernels as stored and dequantized (quantization
     "none"); skips where the avx2 kernels cannot be built."""
-    from tokenmill.layers import cpu_kernels
+    from tokenmill.layers import cpu_isa, cpu_kernels
 
-    if cpu_kernels.load("avx2") is None:
-        pytest.skip("no avx2 CPU kernels here")
-    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    if not cpu_isa.runs_here(level) or cpu_kernels.load(level) is None:
+        pytest.skip(f"no {level} CPU kernels here")
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", level)
     quantize = gguf.quants.quantize
     ours = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
     monkeypatch.setattr(gguf.quants, "quantize", lambda w, t: ours[t](w) if t in ours else quantize(w, t))
@@ -303,7 +306,7 @@ def test_q4_k_and_q6_k_run_on_their_own_factors(tmp_path, monkeypatch):
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 512}), tie_word_embeddings=False)
     types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q4_K, "attn_output.weight": T.Q4_K,
              "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K, "ffn_down.weight": T.Q6_K, "output.weight": T.Q4_K}
-    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, types, permute_qk=True)
+    auto, dense = engines_at(tmp_path, monkeypatch, config, types, permute_qk=True)
     model = auto.engine.core.runner.model
     layer = model.layers[0]
     for linear in (layer.self_attn.o_proj, layer.mlp.gate_up_proj):
@@ -328,7 +331,7 @@ def test_a_tied_q6_k_embedding_stays_int6_and_is_the_heads_record(tmp_path, monk
     from tokenmill.layers.linear import Int6Linear
 
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=True)
-    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, {"token_embd.weight": T.Q6_K})
+    auto, dense = engines_at(tmp_path, monkeypatch, config, {"token_embd.weight": T.Q6_K})
     model, ref = auto.engine.core.runner.model, dense.engine.core.runner.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.method == "int6"
     assert isinstance(model.lm_head, Int6Linear)
@@ -349,7 +352,7 @@ def test_a_fused_qkv_of_q4_k_and_q6_k_runs_each_part_as_stored(tmp_path, monkeyp
 
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=False)
     types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K}
-    auto, dense = engines_at_avx2(tmp_path, monkeypatch, config, types, permute_qk=True)
+    auto, dense = engines_at(tmp_path, monkeypatch, config, types, permute_qk=True)
     model = auto.engine.core.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, StackedLinear) and [type(p) for p in qkv.parts] == [Int4Linear, Int6Linear]

@@ -43,6 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int6_linear", &int6_linear, "weight-only 6-bit linear (symmetric groups of 16) at any number of rows "
         "(CPU, AVX2 and up; x fp32 or bf16)", pybind11::arg("x"), pybind11::arg("low"), pybind11::arg("high"),
         pybind11::arg("scales"));
+  m.def("int6_gemm", &int6_gemm, "weight-only 6-bit linear on int6_linear's tiles at many rows, widened to bf16 "
+        "(CPU, AVX-512 BF16; x fp32 or bf16)", pybind11::arg("x"), pybind11::arg("low"), pybind11::arg("high"),
+        pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
   m.def("int8_gemm", &int8_gemm, "weight-only int8 linear at any number of rows (CPU; x fp32 or bf16)", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
   m.def("gemv_supported", &gemv_supported,

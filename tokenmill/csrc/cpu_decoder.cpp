@@ -42,7 +42,7 @@ struct Linear {
                       // codes; int6: the codes' low bits in tiles
   at::Tensor scales;  // int8: per-channel bf16 scales; int4: [groups, out, 2] scales and zeros; int6: tile scales
   c10::optional<at::Tensor> bias, input_scale;
-  int64_t param = 0;  // int4: group size; int8: the most rows for the int8 kernel
+  int64_t param = 0;  // int4: group size; int8: the most rows for the int8 kernel; int6: for int6_linear (0: all)
   // The few-row kernel's weight: int4_linear's codes and pairs, int8_linear's codes,
   // bf16_linear's plain weight, or (int6) int6_linear's top bits.
   c10::optional<at::Tensor> kernel_codes, kernel_pairs;
@@ -109,6 +109,8 @@ struct Linear {
     at::Tensor y;
     if (kind == Kind::kInt8Tiled) {
       y = int8_tiled_linear(xs.contiguous(), weight, scales);
+    } else if (kind == Kind::kInt6 && param > 0 && rows > param) {  // Int6Linear above max_rows
+      y = int6_gemm(xs.contiguous(), weight, *kernel_codes, scales, c10::nullopt);
     } else if (kind == Kind::kInt6) {
       y = int6_linear(xs.contiguous(), weight, *kernel_codes, scales);
     } else if (kind == Kind::kInt4 && kernel_codes && rows <= kernel_max_rows) {

@@ -24,6 +24,8 @@
 // int8_gemm: the same weights at many rows, compute-bound there, at about a bf16 matmul's speed:
 // panels of 32 output channels widened once to bf16 (int8 codes exactly), then vdpbf16ps over
 // every row.
+// int6_gemm: Int6Linear's tiles (int6_linear's layout, cpu_gemv_avx2.cpp) at many rows the same
+// way, each weight widened once per call to bf16 as scale (q - 32) of its group of 16.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
@@ -347,12 +349,12 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 }
 
-// y = (x W^T) * scales + bias over panels of 32 output channels (W's row j as bf16 pairs from
-// row_pairs(j, k, whole), see fill_panel); scales and bias [N] or None. Panels go to whichever
-// thread is free (a thread the OS pauses holds no fixed share).
-template <typename RowPairs, typename PrefetchRows>
+// y = (x W^T) * scales + bias over panels of 32 output channels (fill(n0, cols, buf) writes
+// channels n0 .. n0 + cols - 1 into the panel buffer, e.g. by fill_panel); scales and bias [N] or
+// None. Panels go to whichever thread is free (a thread the OS pauses holds no fixed share).
+template <typename Fill, typename PrefetchRows>
 void panel_gemm(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& scales,
-                const c10::optional<at::Tensor>& bias, at::Tensor& y, const RowPairs& row_pairs,
+                const c10::optional<at::Tensor>& bias, at::Tensor& y, const Fill& fill,
                 const PrefetchRows& prefetch_rows) {
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t panels = (N + kPanel - 1) / kPanel, kpairs = K / 2;
@@ -377,11 +379,61 @@ void panel_gemm(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>&
       const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
       if (after < panels) prefetch_rows(after * kPanel, std::min(kPanel, N - after * kPanel));
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      fill_panel(K, cols, buf.data(), [&](int64_t j, int64_t k, bool whole) { return row_pairs(n0 + j, k, whole); });
+      fill(n0, cols, buf.data());
       panel_all_rows(xp, M, kpairs, buf.data(), scale.data() + n0, shift.data() + n0, yp + n0, N, cols);
       p = after;
     }
   });
+}
+
+// A panel's buffer (panel_rows's layout: buf[kp * 32 + j] = channel j's bf16 pair kp) from
+// Int6Linear's tiles (cpu_gemv_avx2.cpp int6_tile: low [N/8, K/8, 32], high [N/8, K/16, 32]),
+// `tiles` tiles of 8 channels from tile t0, each weight scale (q - 32) rounded once to bf16. A
+// tile's step s (8 input channels) holds channel c's codes in bytes 4c .. 4c + 3, inputs 8s + j
+// in the low nibbles and 8s + 4 + j in the high ones, their top 2 bits in the step pair's high
+// bytes (bits 0-3 for the even step, 4-7 for the odd). Widened in tile order (byte 4c + j ->
+// element 4c + j), a step's low nibbles give channel c's pairs (8s, 8s + 1) and (8s + 2, 8s + 3)
+// as the 32-bit elements 2c and 2c + 1; one permute puts each pair's 8 channels side by side.
+// scale(t, g) gives the tile's 8 scales of group g (16 input channels) as fp32.
+template <typename Scale>
+void fill_int6_panel(const uint8_t* low, const uint8_t* high, int64_t K, int64_t t0, int64_t tiles, uint32_t* buf,
+                     const Scale& scale) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m512i centre = _mm512_set1_epi16(32);
+  // element e of a half: channel e / 4 (first half) or 4 + e / 4 (second)
+  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(4));
+  const __m512i pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t t = t0 + i;
+    const uint8_t* lw = low + t * K * 4;
+    const uint8_t* hw = high + t * K * 2;
+    uint32_t* out = buf + i * 8;
+    for (int64_t g = 0; g < K / 16; ++g) {
+      const __m512 s8 = _mm512_castps256_ps512(scale(t, g));
+      const __m512 s_first = _mm512_permutexvar_ps(first, s8), s_second = _mm512_permutexvar_ps(second, s8);
+      const __m256i bits_pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hw + g * 32));
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t step = 2 * g + h;
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lw + step * 32));
+        const __m256i bits = h ? _mm256_srli_epi16(bits_pair, 4) : bits_pair;
+        const __m256i codes[2] = {
+            _mm256_or_si256(_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_slli_epi16(bits, 4), top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble),
+                            _mm256_and_si256(_mm256_slli_epi16(bits, 2), top))};
+        for (int64_t n = 0; n < 2; ++n) {  // the low nibbles' inputs 8s .. 8s + 3, then the high ones'
+          const __m512i q = _mm512_sub_epi16(_mm512_cvtepu8_epi16(codes[n]), centre);
+          const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q))), s_first);
+          const __m512 hi =
+              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1))), s_second);
+          const __m512i both = _mm512_permutexvar_epi32(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          const int64_t kp = step * 4 + n * 2;  // the pair (8s + 4n, 8s + 4n + 1)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kp * kPanel), _mm512_castsi512_si256(both));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (kp + 1) * kPanel), _mm512_extracti64x4_epi64(both, 1));
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -523,9 +575,9 @@ at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const
 // [N/8, K/16, 8] bf16 (groups of 16) or a Q6_K tensor's super-blocks (_tiled_int6_super_blocks:
 // uint8 [N/8, K/256, 144]), K a multiple of 32. Every level from AVX2 up runs the AVX2 kernel (x in
 // int8 per block of 32, cpu_gemv_avx2.cpp). Returns y [M, N] in x's dtype.
-at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
-  check_matmul_args("int6_linear", x, {&low, &high, &scales}, 0);
-  const int64_t K = x.size(1);
+// Int6Linear's tiles (int6_linear, int6_gemm): low uint8 [N/8, K/8, 32], high [N/8, K/16, 32],
+// scales bf16 [N/8, K/16, 8] or Q6_K's super-blocks uint8 [N/8, K/256, 144].
+void check_int6_weight(int64_t K, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
   TORCH_CHECK(K % 32 == 0 && low.scalar_type() == at::kByte && low.dim() == 3 && low.size(1) == K / 8 &&
                   low.size(2) == 32,
               "low: uint8 [N/8, K/8, 32], K a multiple of 32");
@@ -541,6 +593,12 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
                     scales.size(1) == K / 16 && scales.size(2) == 8,
                 "scales: bf16 [N/8, K/16, 8]");
   }
+}
+
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
+  check_matmul_args("int6_linear", x, {&low, &high, &scales}, 0);
+  const int64_t K = x.size(1);
+  check_int6_weight(K, low, high, scales);
 #if defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int6_linear(x.to(at::kFloat), low, high, scales);
 #else
@@ -619,10 +677,12 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #if defined(TOKENMILL_AVX512_BF16)
   at::Tensor y = at::empty({M, N}, xk.options());
   const auto* cp = codes.data_ptr<int8_t>();
-  panel_gemm(xk, N, scales, bias, y, [&](int64_t j, int64_t k, bool whole) {
-    const int8_t* src = cp + j * K + k;
-    return (__m512i)_mm512_cvtne2ps_pbh(whole ? tokenmill::int8x16_to_fp32(src + 16) : _mm512_setzero_ps(),
-                                        tokenmill::int8x16_to_fp32(src));
+  panel_gemm(xk, N, scales, bias, y, [&](int64_t n0, int64_t cols, uint32_t* buf) {
+    fill_panel(K, cols, buf, [&](int64_t j, int64_t k, bool whole) {
+      const int8_t* src = cp + (n0 + j) * K + k;
+      return (__m512i)_mm512_cvtne2ps_pbh(whole ? tokenmill::int8x16_to_fp32(src + 16) : _mm512_setzero_ps(),
+                                          tokenmill::int8x16_to_fp32(src));
+    });
   }, [&](int64_t n0, int64_t rows) { prefetch_bytes(cp + n0 * K, rows * K); });
 #elif defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int8_gemm(xk, codes, scales, bias);
@@ -630,4 +690,52 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const at::Tensor y = not_built("int8_gemm");
 #endif
   return y.to(x.scalar_type());
+}
+
+// x [M, K] fp32 or bf16 contiguous, any M >= 1; low, high, scales as int6_linear's; bias [N] or
+// None. Returns y [M, N] in x's dtype: each weight widened to bf16 (scale (q - 32), rounded
+// once), then bf16 products summed in fp32 (panel_gemm). For many rows at AVX-512 BF16, where
+// int6_linear's int8 products take twice a bf16 matmul's time; the same codes, no second copy.
+at::Tensor int6_gemm(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias) {
+  check_matmul_args("int6_gemm", x, {&low, &high, &scales}, 0);
+  const int64_t K = x.size(1), N = low.size(0) * 8;
+  check_int6_weight(K, low, high, scales);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu()), "bias: [N]");
+#if defined(TOKENMILL_AVX512_BF16)
+  const at::Tensor xk = as_kernel_dtype(x);
+  at::Tensor y = at::empty({x.size(0), N}, xk.options());
+  const auto* lp = low.data_ptr<uint8_t>();
+  const auto* hp = high.data_ptr<uint8_t>();
+  const auto fill = [&](const auto& scale) {
+    return [&, scale](int64_t n0, int64_t cols, uint32_t* buf) {
+      if (cols < kPanel) {  // the last panel's missing channels: zeros
+        for (int64_t kp = 0; kp < K / 2; ++kp) std::fill(buf + kp * kPanel + cols, buf + (kp + 1) * kPanel, 0u);
+      }
+      fill_int6_panel(lp, hp, K, n0 / 8, cols / 8, buf, scale);
+    };
+  };
+  const auto prefetch = [&](int64_t n0, int64_t rows) {
+    prefetch_bytes(lp + n0 / 8 * K * 4, rows / 8 * K * 4);
+    prefetch_bytes(hp + n0 / 8 * K * 2, rows / 8 * K * 2);
+  };
+  if (scales.scalar_type() == at::kByte) {  // Q6_K's factors: d fp16 per 256, an int8 factor per 16
+    const auto* sp = scales.data_ptr<uint8_t>();
+    panel_gemm(xk, N, c10::nullopt, bias, y, fill([=](int64_t t, int64_t g) {
+      const uint8_t* block = sp + (t * (K / 256) + g / 16) * tokenmill::avx2::kQ6kSuperBlockBytes;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+      const __m128i f = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 16 + (g % 16) * 8));
+      return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(f)));
+    }), prefetch);
+  } else {  // bf16 [N/8, K/16, 8]
+    const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+    panel_gemm(xk, N, c10::nullopt, bias, y, fill([=](int64_t t, int64_t g) {
+      const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + (t * (K / 16) + g) * 8));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
+    }), prefetch);
+  }
+  return y.to(x.scalar_type());
+#else
+  return not_built("int6_gemm");
+#endif
 }

@@ -33,6 +33,9 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
 // cpu_gemv.cpp: int8 weights at any number of rows (Int8Linear above its max_rows).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias);
+// cpu_gemv.cpp: int6 tiles at many rows as bf16 products (AVX-512 BF16; Int6Linear above its max_rows).
+at::Tensor int6_gemm(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias);
 
 // cpu_prefill.cpp: causal prefill attention over the paged cache (fp32 queries over an fp32 or
 // int8 cache from AVX2 up; bf16 over a bf16 or int8 cache at AVX-512 BF16): the query dtypes

@@ -207,6 +207,10 @@ def cuda_int4_kernel(rows: int, table: CudaGemmRows = CUDA_GEMM_ROWS, tinygemm_f
 # at 8 rows and int8_gemm is 1.3-1.6x faster at 12 to 16, level with a bf16 matmul; end to end
 # (int8, decode) from 8 rows cost 18% at batch 8, from 12 gained 34% at batch 16.
 INT8_GEMM_MIN_ROWS = 12
+# At avx512_bf16, from how many rows Int6Linear runs `kernels.int6_gemm` rather than int6_linear:
+# on Qwen2.5-1.5B's down projection (2 cores, Zen 5) int6_linear is 0.92x int6_gemm's time at 16
+# rows and 1.16x at 32; from 32 rows int6_gemm is within 1.08x of the int8 layer's time.
+INT6_GEMM_MIN_ROWS = 20
 
 
 class Int8Linear(QuantizedLinear):
@@ -416,18 +420,23 @@ class Int6Linear(QuantizedLinear):
     `kernels.int6_linear` at every row count, over tiles of 8 output channels
     (`_tiled_int6_layout`; x in int8 per block of 32, as the int4 kernel at avx2); a Q6_K
     record's own factors in place of the bf16 scales where in_features are a multiple of 256
-    (`_tiled_int6_super_blocks`: 6.5625 bits a weight). Otherwise the
-    dequantized weight in fp32 and F.linear (correct, without the memory saving). At avx512_bf16
-    the loader keeps Q6_K in int8, whose bf16 tiles run many rows twice as fast as this kernel."""
+    (`_tiled_int6_super_blocks`: 6.5625 bits a weight). At avx512_bf16, above `max_rows`
+    (INT6_GEMM_MIN_ROWS - 1) rows, `kernels.int6_gemm` on the same tiles instead: each weight
+    widened once per call to bf16, bf16 products (int6_linear's int8 products take about twice
+    a bf16 matmul's time there at many rows). Otherwise the dequantized weight in fp32 and
+    F.linear (correct, without the memory saving)."""
 
     def __init__(self, record, bias, kernels=None):
         super().__init__(record, bias, torch.float32)
         codes, scales = record["codes"], record["scales"]
         self.in_features = codes.shape[1]
         self.kernel = self.weight = None
+        self.max_rows = 0  # above it int6_gemm (0: int6_linear at every row count)
         if (kernels is not None and codes.device.type == "cpu" and kernels.gemv_supported()
                 and self.out_features % 8 == 0 and self.in_features % 32 == 0):
             self.kernel = kernels
+            if kernels.native_bf16():
+                self.max_rows = INT6_GEMM_MIN_ROWS - 1
             self.low, self.high = _tiled_int6_layout(codes)
             if "super_factors" in record and self.in_features % 256 == 0:
                 self.tile_scales = _tiled_int6_super_blocks(record["factors"], record["super_factors"])
@@ -437,6 +446,8 @@ class Int6Linear(QuantizedLinear):
             self.weight = dequantize_int6(codes, scales)
 
     def _matmul(self, x):
+        if self.kernel is not None and 0 < self.max_rows < x.shape[0]:
+            return self.kernel.int6_gemm(x.contiguous(), self.low, self.high, self.tile_scales)
         if self.kernel is not None:
             return self.kernel.int6_linear(x.contiguous(), self.low, self.high, self.tile_scales)
         return F.linear(x.float(), self.weight)
@@ -444,7 +455,7 @@ class Int6Linear(QuantizedLinear):
     def cpu_decoder_spec(self):
         if self.kernel is None:
             return None
-        return ("int6", self.low, self.tile_scales, self.bias, self.input_scale, 0, self.high, None, ANY_ROWS)
+        return ("int6", self.low, self.tile_scales, self.bias, self.input_scale, self.max_rows, self.high, None, ANY_ROWS)
 
 
 class StackedLinear(nn.Module):

@@ -62,10 +62,9 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     if qconfig is None:
         method_of = lambda name: None  # noqa: E731
     elif qconfig.method == AUTO:
-        # int6 where its kernel is the level's integer kernel (avx2 to avx512_vnni); at avx512_bf16
-        # the int8 tiles' bf16 products run many rows twice as fast, so Q6_K stays int8 there
-        int6 = (device.type == "cpu" and cpu_kernels is not None and cpu_kernels.gemv_supported()
-                and not cpu_kernels.native_bf16())
+        # int6 where the kernels run it (every level from avx2): the file's 6.56 bits a weight in
+        # place of int8's 8 (at avx512_bf16 its many-row steps widen the codes to bf16: int6_gemm)
+        int6 = device.type == "cpu" and cpu_kernels is not None and cpu_kernels.gemv_supported()
         methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name, int6)
         if qconfig.lm_head != AUTO:  # the head requantized (round-to-nearest) from the file's, or dense
             if tied and checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
