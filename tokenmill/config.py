@@ -22,7 +22,7 @@ LM_HEAD_CHOICES = ("auto", "int8", "int4", "none")  # quantization_lm_head
 INT4_GROUP_SIZES = (32, 64, 128)
 # How the quantized weights are chosen: round-to-nearest, or calibrated on data (tokenmill.quantization).
 QUANTIZATION_ALGORITHMS = {"rtn": QUANTIZATION_METHODS, "awq": ("int4",), "gptq": ("int4",), "smoothquant": ("w8a8",)}
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8")  # kv_quant implements int8 / fp8; float16: a float32 model's K/V in half the bytes
 CPU_KV_CACHE_MEMORY_GB = 2.0  # the KV-cache budget on CPU when kv_cache_memory_gb is not given
 
@@ -119,8 +119,11 @@ class EngineConfig:
     # Seed of the sampler's shared generator (requests with their own seed ignore it).
     seed: int = 0
     # Speculative decoding: None (off), "ngram" (prompt lookup: drafts copied from earlier in
-    # the request's own tokens, matching its last speculative_ngram_min..max tokens) or "draft"
-    # (a smaller model with the same vocabulary, draft_model, proposes them). A decoding
+    # the request's own tokens, matching its last speculative_ngram_min..max tokens), "suffix"
+    # (suffix decoding: the most frequent continuation of the longest matching suffix, in the
+    # request's own tokens and in a bounded store of earlier requests' outputs; the n-gram
+    # lookup's draft where it finds none) or "draft" (a smaller model with the same
+    # vocabulary, draft_model, proposes them). A decoding
     # request verifies up to num_speculative_tokens drafts in one step and emits 1 to k + 1
     # tokens; the output distribution is unchanged (greedy output is token-identical).
     speculative_method: str | None = None

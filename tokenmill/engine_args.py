@@ -124,8 +124,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the shared sampler generator (default: {d.seed})")
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=d.speculative_method,
                         help="speculative decoding: ngram = prompt lookup, drafts copied from earlier in the request's "
-                             "own tokens; draft = a small model (--draft-model) proposes them; the output distribution "
-                             "is unchanged (default: off)")
+                             "own tokens; suffix = suffix decoding, the most frequent continuation of the longest "
+                             "matching suffix in the request's own tokens and in earlier requests' outputs (repeated "
+                             "structure across requests: agent loops, tool calls); draft = a small model "
+                             "(--draft-model) proposes them; the output distribution is unchanged (default: off)")
     parser.add_argument("--draft-model", default=d.draft_model,
                         help="with --speculative-method draft: the draft model (alias, .gguf or HF directory), same "
                              "vocabulary as MODEL")

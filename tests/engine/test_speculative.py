@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram prompt lookup) on the real default model: greedy output is
-token-identical with speculation on and off, with concurrent requests of mixed lengths and a
-KV cache too small for them; stops, max_tokens, logprobs and seeds behave as without it."""
+"""Speculative decoding (n-gram prompt lookup, and suffix decoding) on the real default model:
+greedy output is token-identical with speculation on and off, with concurrent requests of mixed
+lengths and a KV cache too small for them; stops, max_tokens, logprobs and seeds behave as
+without it."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def plain(default_model_path):
     return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def spec(default_model_path):
-    return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
+@pytest.fixture(scope="module", params=["ngram", "suffix"])
+def spec(default_model_path, request):
+    return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
+               **(SPEC | {"speculative_method": request.param}))
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +66,25 @@ def test_concurrent_mixed_lengths_are_token_identical(spec, reference):
     assert all(o.outputs[0].num_accepted_tokens <= o.outputs[0].num_draft_tokens for o in outs)
 
 
-def test_too_small_kv_cache_preempts_and_stays_token_identical(default_model_path, reference):
-    small = LLM(str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=7, max_num_batched_tokens=64, **SPEC)
+def test_suffix_decoding_drafts_from_an_earlier_requests_output(default_model_path):
+    """A request that continues an earlier request's output (its prompt and the output's first 6
+    tokens: the same greedy continuation) is drafted from the store of finished outputs, which
+    its own tokens never held: the drafts are accepted."""
+    llm = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25,
+              **(SPEC | {"speculative_method": "suffix"}))
+    prompt_ids = llm.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    first = llm.generate([prompt_ids], greedy(24))[0].outputs[0]
+    store = llm.engine.core.runner.proposer.suffix
+    again = llm.generate([prompt_ids + first.token_ids[:6]], greedy(12))[0].outputs[0]
+    assert store.memory_tokens() >= 24  # (the first request's output, stored when it ended)
+    assert again.token_ids == first.token_ids[6:18]
+    assert again.num_accepted_tokens >= 6, (again.num_draft_tokens, again.num_accepted_tokens)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_too_small_kv_cache_preempts_and_stays_token_identical(default_model_path, reference, method):
+    small = LLM(str(default_model_path), dtype="float32", quantization="none", num_kv_blocks=7, max_num_batched_tokens=64,
+                **(SPEC | {"speculative_method": method}))
     outs = small.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     core = small.engine.core
     assert core.scheduler.num_preemptions > 0 and core.scheduler.num_spec_accepted_tokens > 0

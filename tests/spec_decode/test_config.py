@@ -22,3 +22,4 @@ def test_bad_speculative_settings_name_the_field(kwargs, field):
 def test_good_settings():
     EngineConfig(speculative_method="draft", draft_model="smollm2-135m", num_speculative_tokens=6)
     EngineConfig(speculative_method="ngram", speculative_ngram_min=1, speculative_ngram_max=1)
+    EngineConfig(speculative_method="suffix", num_speculative_tokens=8)

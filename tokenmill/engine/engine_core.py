@@ -84,6 +84,7 @@ class EngineCore:
                 "speculative decoding: %s, up to %d drafts per request and step, adaptive %s, "
                 "off while more than %d requests are running or waiting",
                 f"draft model {config.draft_model}" if config.speculative_method == "draft" else
+                "suffix decoding" if config.speculative_method == "suffix" else
                 f"n-gram {config.speculative_ngram_min}..{config.speculative_ngram_max}",
                 config.num_speculative_tokens, "on" if config.speculative_adaptive else "off", config.speculative_max_running,
             )

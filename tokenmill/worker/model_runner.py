@@ -44,7 +44,7 @@ from tokenmill.models.registry import resolve_model
 from tokenmill.models.streaming import load_streaming
 from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantized_tensors
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.proposers import make_proposer
 from tokenmill.structured.bitmask import allocate_bitmask
 from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
 from tokenmill.worker.block_copies import copy_blocks, swap_blocks
@@ -170,10 +170,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed, kernels=self.cpu_kernels)
         self.mask_filler = MaskFiller(torch.get_num_threads())  # structured output's bitmasks
         self.requests: dict[str, CachedRequestState] = {}
-        self.proposer = (
-            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
-            if config.speculative_method == "ngram" else None
-        )
+        self.proposer = make_proposer(config)  # n-gram or suffix drafts (None: off, or the draft model's)
         # Each step's integer inputs, uploaded at once (worker/step_inputs.py), sized for a full
         # token budget's ids, positions and slots; the draft model's catch-up and proposal passes
         # have their own, as the step's inputs are read again by the draft forward after the catch-up.
@@ -415,6 +412,13 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
+        if self.proposer is not None:  # what a finished request generated may feed later drafts
+            for req_id in sched.finished_req_ids:
+                state = self.requests.get(req_id)
+                if state is None:  # (ended while preempted: nothing of it is here)
+                    self.proposer.drop(req_id)
+                else:
+                    self.proposer.finish(req_id, state.token_ids, state.num_prompt_tokens)
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.requests.pop(req_id, None)
         for data in sched.scheduled_new_reqs:
@@ -546,7 +550,8 @@ class ModelRunner:
             for req_id in out.sampled_token_ids:
                 k = sched.num_drafts_to_propose.get(req_id, 0)
                 state = self.requests[req_id]
-                drafts = self.proposer.propose(state.token_ids, k)
+                params = state.sampling_params
+                drafts = self.proposer.propose(req_id, state.token_ids, k, shared=params.seed is None or params.greedy)
                 if drafts and state.grammar is not None:  # verify only what the grammar allows
                     drafts = drafts[: state.grammar.num_valid_drafts(drafts)]
                 if drafts:
