@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Speculative decoding off vs on, in one process, on the same model: n-gram prompt lookup
-(the default) or a draft model (`--speculative-method draft --draft-model PATH`).
+(the default), suffix decoding (`--speculative-method suffix`) or a draft model
+(`--speculative-method draft --draft-model PATH`).
 
 Three engines are loaded side by side (same model, dtype, threads and KV budget):
   off          no speculation
@@ -16,7 +17,11 @@ Three engines are loaded side by side (same model, dtype, threads and KV budget)
    - quote: a GPL-3 paragraph in a chat message "Quote the sentences of this text that mention
      TOPIC: ...";
    - complete: a HumanEval prompt (signature and docstring) in a chat message "Complete this
-     Python function: ..." (not input-grounded: what a draft model is for).
+     Python function: ..." (not input-grounded: what a draft model is for);
+   - agent: an agent's turns, one request each, in order: a system message describing three
+     tools and the JSON an action is, then a task that takes one tool call (the same structure
+     across requests, never in the prompt: what suffix decoding's store of earlier outputs is
+     for).
    `--tasks` picks them (default code,quote).
    Decode tok/s = sum(n - 1) / sum(last token - first token) from the request metrics; wall tok/s
    = sum(n) / sum(wall time of the `chat` call); acceptance = accepted / draft tokens; accepted per
@@ -56,7 +61,13 @@ NO_LIMIT = 10**6
 ENGINES = ("off", "on", "on-no-limit")
 CODE_INSTRUCTION = "Rewrite this function with type hints:\n\n```python\n{code}\n```"
 COMPLETE_INSTRUCTION = "Complete this Python function:\n\n```python\n{code}\n```"
-TASKS = ("code", "quote", "complete")
+TASKS = ("code", "quote", "complete", "agent")
+AGENT_SYSTEM = ("You are an agent. To act, reply with exactly one JSON object and nothing else: "
+                '{"tool": NAME, "arguments": {...}}. Tools: get_weather(city, unit), '
+                "search_flights(origin, destination, date), book_hotel(city, check_in, nights).")
+AGENT_TASKS = ["What is the weather in {a} in celsius?", "Find flights from {a} to {b} on 2025-03-14.",
+               "Book a hotel in {b} from 2025-03-14 for 3 nights.", "What is the weather in {b} in fahrenheit?"]
+AGENT_CITIES = [("Paris", "Berlin"), ("Madrid", "Rome"), ("Oslo", "Vienna"), ("Lisbon", "Prague")]
 QUOTE_INSTRUCTION = "Quote the sentences of this text that mention {topic}:\n\n{text}"
 # For each paragraph, the first of these it mentions is the topic of its quote prompt.
 QUOTE_TOPICS = (
@@ -76,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", default=d.model, help="model alias or path (.gguf file or HF directory)")
-    p.add_argument("--speculative-method", choices=("ngram", "draft"), default="ngram",
+    p.add_argument("--speculative-method", choices=("ngram", "suffix", "draft"), default="ngram",
                    help="how the 'on' engines draft: n-gram prompt lookup, or a draft model (--draft-model)")
     p.add_argument("--draft-model", default=None, help="draft model path (same vocabulary) for --speculative-method draft")
     p.add_argument("--quantization", choices=(None, "int8", "int4"), default=None, type=lambda x: x or None,
@@ -144,6 +155,13 @@ def complete_conversations(problems: list[dict], indices: list[int]) -> list[lis
         [{"role": "user", "content": COMPLETE_INSTRUCTION.format(code=problems[i % len(problems)]["prompt"].strip("\n"))}]
         for i in indices
     ]
+
+
+def agent_conversations(count: int) -> list[list[dict]]:
+    """`count` agent turns (AGENT_TASKS over AGENT_CITIES, cycled), each a system message and a task."""
+    turns = [task.format(a=a, b=b) for a, b in AGENT_CITIES for task in AGENT_TASKS]
+    return [[{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": turns[i % len(turns)]}]
+            for i in range(count)]
 
 
 def spread(count: int, total: int) -> list[int]:
@@ -414,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             "quantization": args.quantization}
     spec = {"speculative_method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
             "speculative_adaptive": True}
-    if args.speculative_method == "ngram":
+    if args.speculative_method in ("ngram", "suffix"):  # (suffix falls back on the n-gram lookup)
         spec.update(speculative_ngram_min=args.ngram_min, speculative_ngram_max=args.ngram_max)
     else:
         spec["draft_model"] = args.draft_model
@@ -434,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(core.dtype).removeprefix("torch.")
     import torch
 
-    drafter = (f"n-gram {args.ngram_min}..{args.ngram_max}" if args.speculative_method == "ngram"
-               else f"draft model {args.draft_model}")
+    drafter = {"ngram": f"n-gram {args.ngram_min}..{args.ngram_max}", "suffix": "suffix decoding"}.get(
+        args.speculative_method, f"draft model {args.draft_model}")
     print(f"model {args.model} ({dtype}{', ' + args.quantization if args.quantization else ''}, "
           f"{torch.get_num_threads()} threads); {drafter}, "
           f"up to {args.num_speculative_tokens} drafts, adaptive; load average at start "
@@ -452,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         "code": lambda: code_conversations(problems, indices),
         "quote": lambda: quote_conversations(args.num_prompts),
         "complete": lambda: complete_conversations(problems, indices),
+        "agent": lambda: agent_conversations(args.num_prompts),
     }
     tasks = {name: all_tasks[name]() for name in args.tasks}
     batch1 = {}

@@ -96,14 +96,28 @@ def test_disconnect_before_a_non_streaming_answer_aborts_it(server):
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
-    """A second server: an API key, one running sequence at most and at most one queued request."""
+    """A second server: an API key, one running sequence at most and at most one queued request,
+    suffix decoding."""
     proc = ServerProcess(MODEL, *BASE_FLAGS, "--api-key", "sekret", "--max-num-seqs", "1",
-                         "--max-waiting-requests", "1", "--shutdown-timeout", "60",
+                         "--max-waiting-requests", "1", "--shutdown-timeout", "60", "--speculative-method", "suffix",
                          log_path=tmp_path_factory.mktemp("guarded") / "server.log")
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+def test_speculation_metrics_name_the_method_and_the_mean_acceptance_length(guarded):
+    auth = {"Authorization": "Bearer sekret"}
+    body = {"model": MODEL, "prompt": "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The",
+            "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    assert httpx.post(f"{guarded.url}/v1/completions", json=body, headers=auth, timeout=60).status_code == 200
+    m = metrics(guarded.url)
+    drafts = m["tokenmill_spec_decode_num_drafts_total{method=suffix}"]
+    accepted = m["tokenmill_spec_decode_num_accepted_tokens_total{method=suffix}"]
+    assert drafts > 0 and accepted > 0
+    assert m["tokenmill_spec_decode_mean_acceptance_length{method=suffix}"] == pytest.approx(1 + accepted / drafts)
+    assert m["tokenmill_spec_decode_num_accepted_tokens_per_pos_total{method=suffix,position=0}"] > 0
 
 
 def test_health_is_503_while_loading(guarded):

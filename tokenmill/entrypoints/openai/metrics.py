@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.outputs import RequestOutput
@@ -152,6 +152,7 @@ class _EngineCounters:
 
     def collect(self):
         s = self.llm.stats
+        yield from self._speculation(s)
         for name, doc, value in (
             ("tokenmill_num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions),
             ("tokenmill_engine_steps", "Engine iterations run", s.num_steps),
@@ -167,19 +168,35 @@ class _EngineCounters:
             ("tokenmill_swapped_out_bytes", "Bytes of KV swapped out to host memory",
              s.num_swapped_out_blocks * s.bytes_per_block),
             ("tokenmill_swapped_in_bytes", "Bytes of KV swapped back in", s.num_swapped_in_blocks * s.bytes_per_block),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+    def _speculation(self, s):
+        """Speculative decoding's counters, labelled with the engine's method ("none" when off),
+        and the mean acceptance length as vLLM and llama.cpp define it: tokens emitted per
+        verification, 1 + accepted drafts / verifications (1 before any)."""
+        labels, values = ["model_name", "method"], [self.model_name, self.llm.config.speculative_method or "none"]
+        for name, doc, value in (
             ("tokenmill_spec_decode_num_drafts", "Speculative verifications (a request verifying drafts in a step)",
              s.spec_drafts),
             ("tokenmill_spec_decode_num_draft_tokens", "Speculative draft tokens verified", s.spec_draft_tokens),
             ("tokenmill_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted", s.spec_accepted_tokens),
         ):
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
             yield family
         family = CounterMetricFamily("tokenmill_spec_decode_num_accepted_tokens_per_pos",
                                      "Speculative draft tokens accepted, by position in the draft",
-                                     labels=["model_name", "position"])
+                                     labels=[*labels, "position"])
         for position, value in enumerate(s.spec_accepted_per_position):
-            family.add_metric([self.model_name, str(position)], value)
+            family.add_metric([*values, str(position)], value)
+        yield family
+        family = GaugeMetricFamily("tokenmill_spec_decode_mean_acceptance_length",
+                                   "Tokens emitted per speculative verification: 1 + accepted drafts / verifications",
+                                   labels=labels)
+        family.add_metric(values, 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 1.0)
         yield family
 
 
