@@ -37,10 +37,20 @@ def plain(default_model_path):
     return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
 
 
-@pytest.fixture(scope="module", params=["ngram", "suffix"])
-def spec(default_model_path, request):
+@pytest.fixture(scope="module")
+def spec(default_model_path):
+    return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
+
+
+@pytest.fixture(scope="module")
+def suffix(default_model_path):
+    """Suffix decoding in place of the n-gram lookup, for the tests that name it."""
     return LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256,
-               **(SPEC | {"speculative_method": request.param}))
+               **(SPEC | {"speculative_method": "suffix"}))
+
+
+# The tests that run with both proposers: `engine` names the fixture.
+BOTH = pytest.mark.parametrize("engine", ["spec", "suffix"])
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +60,9 @@ def reference(plain):
     return [o.outputs[0].token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
 
 
-def test_one_request_at_a_time_is_token_identical(spec, reference):
+@BOTH
+def test_one_request_at_a_time_is_token_identical(engine, reference, request):
+    spec = request.getfixturevalue(engine)
     before = spec.engine.core.scheduler.num_spec_accepted_tokens
     for prompt, n, ref in list(zip(PROMPTS, MAX_TOKENS, reference))[:3]:
         out = spec.generate(prompt, greedy(n))[0].outputs[0]
@@ -59,7 +71,9 @@ def test_one_request_at_a_time_is_token_identical(spec, reference):
     assert spec.engine.core.scheduler.num_spec_accepted_tokens > before + 5  # it did speculate
 
 
-def test_concurrent_mixed_lengths_are_token_identical(spec, reference):
+@BOTH
+def test_concurrent_mixed_lengths_are_token_identical(engine, reference, request):
+    spec = request.getfixturevalue(engine)
     outs = spec.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert sum(o.outputs[0].num_accepted_tokens for o in outs) > 0
@@ -119,7 +133,9 @@ def test_logprobs_of_verified_tokens_match_plain_decoding(plain, spec):
         assert [t for t, _ in y.top] == [t for t, _ in x.top]
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(spec):
+@BOTH
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine, request):
+    spec = request.getfixturevalue(engine)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
     alone = spec.generate(PROMPTS[2], params)[0].outputs[0].token_ids
     again = spec.generate(PROMPTS[2], params)[0].outputs[0].token_ids
