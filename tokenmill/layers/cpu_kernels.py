@@ -56,7 +56,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -189,9 +188,10 @@ def build_prebuilt(isa: str | None = None, folder: Path | None = None) -> Path:
         raise RuntimeError("the generic level has no compiled kernels")
     folder = folder or PREBUILT
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"{build_name(isa)}-") as scratch:
+    # (built in torch's cache folder, as at first use: a later compile of this level finds it current)
+    with _build_lock(build_directory(isa)):
         try:
-            module = _compile(isa, Path(scratch))
+            module = _compile(isa, build_directory(isa))
         except Exception as e:  # noqa: BLE001 - reported with what to install
             raise RuntimeError(f"the CPU kernels ({isa}) could not be built ({_reason(e)}); {NEEDS}") from e
         target = prebuilt_path(isa, folder)
