@@ -578,12 +578,26 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def code_version() -> dict | None:
+    """The commit the measured code is at, and whether the package or its kernels differ from it."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "tokenmill", "csrc"],
+                                 cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit, "modified": bool(changed)}
+
+
 def write_report(path: Path, benchmark: str, config: dict, results, **extra) -> None:
-    """The JSON every script writes: name, date, command line, config, machine info, results."""
+    """The JSON every script writes: name, date, command line, code version, config, machine info, results."""
     report = {
         "benchmark": benchmark,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "code": code_version(),
         "config": config,
         "machine": machine_info(),
         "results": results,

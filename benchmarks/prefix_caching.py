@@ -19,17 +19,15 @@ Both engines are in this process with the same dtype and threads; greedy decodin
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from common import write_report
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
@@ -124,10 +122,6 @@ def run_multi_turn(llm, args) -> dict:
 def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
-    import torch
-    import transformers
-
-    import tokenmill
     from tokenmill import LLM
 
     results = {}
@@ -159,17 +153,7 @@ def main() -> int:
         print(f"{t_on['turn']:4d} {t_on['prompt_tokens_computed']:7d} of {t_on['prompt_tokens']:5d} "
               f"{t_off['prompt_tokens_computed']:7d} of {t_off['prompt_tokens']:5d}")
 
-    record = {
-        "benchmark": "prefix_caching", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "tokenmill": tokenmill.__version__, "load_average": os.getloadavg()},
-        "results": results,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2))
-    print(f"\nwrote {args.output}")
+    write_report(args.output, "prefix_caching", {k: str(v) for k, v in vars(args).items()}, results)
     return 0
 
 
