@@ -5,10 +5,12 @@
 
 Three engines are loaded side by side (same model, dtype, threads and KV budget):
   off          no speculation
-  on           speculative_method `--speculative-method` with the default adaptive threshold
-               (speculative_max_running = `--spec-max-running`, the config's default)
-  on-no-limit  the same without the threshold (speculative_max_running = 10**6); only for the
-               sweep (`--skip-sweep` leaves both out)
+  on           speculative_method `--speculative-method` as the engine runs it by default: each
+               step's drafts chosen from the step cost measured at start and each request's
+               acceptance (spec_decode/cost.py); `--spec-max-running N` adds a fixed limit
+  on-fixed     the same method at a fixed draft length, in every step whatever the load
+               (speculative_adaptive off, no limit); only for the sweep (`--skip-sweep` leaves
+               it out)
 
 1. Batch 1, input-grounded tasks, greedy, EOS not ignored, `--max-tokens` per request, one
    request at a time, off and on alternating per prompt:
@@ -34,8 +36,8 @@ Three engines are loaded side by side (same model, dtype, threads and KV budget)
    `--sweep-max-tokens` each; output tok/s = output tokens / wall time, per engine, the median
    of `--repeats` runs (the engines interleaved within each repeat). Each engine's prefix cache
    is filled with the sweep's prompts first, so the timed runs are (almost) all decode. The
-   crossover, the largest N up to which on-no-limit is still >= 1.0x off, is what the default
-   speculative_max_running is chosen from.
+   crossover, the largest N up to which on-fixed is still >= 1.0x off, is where speculating at
+   every step stops paying; the step-cost plan of "on" should stay >= 1.0x at every N.
 
     python benchmarks/speculative.py
     python benchmarks/speculative.py --num-prompts 1 --concurrencies 1,2 --max-tokens 16 --sweep-max-tokens 16 --repeats 1   # smoke test
@@ -57,8 +59,7 @@ from pathlib import Path
 from common import RESULTS_DIR, TEXT_FILE, OtherLoad, busy_warning, fmt, print_table, write_report
 
 DEFAULT_OUTPUT = RESULTS_DIR / "speculative.json"
-NO_LIMIT = 10**6
-ENGINES = ("off", "on", "on-no-limit")
+ENGINES = ("off", "on", "on-fixed")
 CODE_INSTRUCTION = "Rewrite this function with type hints:\n\n```python\n{code}\n```"
 COMPLETE_INSTRUCTION = "Complete this Python function:\n\n```python\n{code}\n```"
 TASKS = ("code", "quote", "complete", "agent")
@@ -93,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=(None, "int8", "int4"), default=None, type=lambda x: x or None,
                    help="weight-only quantization of every engine's linears (target and draft)")
     p.add_argument("--tasks", default="code,quote", help=f"batch-1 tasks, comma-separated, from {','.join(TASKS)}")
-    p.add_argument("--skip-sweep", action="store_true", help="batch 1 only: no concurrency sweep, no on-no-limit engine")
+    p.add_argument("--skip-sweep", action="store_true", help="batch 1 only: no concurrency sweep, no on-fixed engine")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="compute dtype of all three engines")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads; None = tokenmill's default, the physical core count")
@@ -109,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ngram-min", type=int, default=d.speculative_ngram_min, help="shortest suffix n-gram matched")
     p.add_argument("--ngram-max", type=int, default=d.speculative_ngram_max, help="longest suffix n-gram matched")
     p.add_argument("--spec-max-running", type=int, default=d.speculative_max_running,
-                   help="threshold of the 'on' engine: no speculation while more requests are running")
+                   help="the 'on' engine: no speculation while more requests are running (default: none, the "
+                        "step cost decides)")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, metavar="PATH.json",
                    help="where to write the JSON results (its directory is created)")
     args = p.parse_args(argv)
@@ -355,22 +357,22 @@ def run_sweep(engines: dict, conversations: list[list[dict]], concurrencies: lis
                 "nondeterministic": sum(len({tuple(rep[i]) for rep in token_ids[name]}) > 1 for i in range(n)),
                 "runs": runs[name],
             }
-        for name in ("on", "on-no-limit"):
+        for name in ("on", "on-fixed"):
             row[name]["speedup"] = row[name]["output_tok_per_s"] / row["off"]["output_tok_per_s"]
             # Requests whose output differs from off's in at least one repeat.
             row[name]["mismatches"] = sum(
                 any(a[i] != b[i] for a, b in zip(token_ids["off"], token_ids[name])) for i in range(n))
         rows.append(row)
-        print(f"  sweep N={n}: off {row['off']['output_tok_per_s']:.1f}, on-no-limit "
-              f"{row['on-no-limit']['output_tok_per_s']:.1f}, on {row['on']['output_tok_per_s']:.1f} tok/s", flush=True)
+        print(f"  sweep N={n}: off {row['off']['output_tok_per_s']:.1f}, on-fixed "
+              f"{row['on-fixed']['output_tok_per_s']:.1f}, on {row['on']['output_tok_per_s']:.1f} tok/s", flush=True)
     return rows
 
 
 def crossover(rows: list[dict]) -> tuple[int | None, int | None]:
-    """(the largest N up to which on-no-limit is >= 1.0x at every N, the first N where it is not)."""
+    """(the largest N up to which on-fixed is >= 1.0x at every N, the first N where it is not)."""
     last_ok = None
     for row in rows:
-        if row["on-no-limit"]["speedup"] < 1.0:
+        if row["on-fixed"]["speedup"] < 1.0:
             return last_ok, row["concurrency"]
         last_ok = row["concurrency"]
     return last_ok, None
@@ -406,12 +408,12 @@ def print_batch1(tasks: dict) -> None:
     print_table(header, rows, left=2)
 
 
-def print_sweep(rows: list[dict], threshold: int) -> None:
-    header = ["concurrency", "off tok/s", "on-no-limit tok/s", "no-limit/off", f"on (<= {threshold}) tok/s", "on/off",
+def print_sweep(rows: list[dict], threshold: int | None) -> None:
+    header = ["concurrency", "off tok/s", "on-fixed tok/s", "fixed/off", "on tok/s" if threshold is None else f"on (<= {threshold}) tok/s", "on/off",
               "on verifs", "spread", "acceptance", "accepted/verif", "mismatches"]
     table = []
     for r in rows:
-        nl, on = r["on-no-limit"], r["on"]
+        nl, on = r["on-fixed"], r["on"]
         table.append([
             str(r["concurrency"]), fmt(r["off"]["output_tok_per_s"]), fmt(nl["output_tok_per_s"]), times(nl["speedup"]),
             fmt(on["output_tok_per_s"]), times(on["speedup"]), str(on["verifications"]),
@@ -439,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = {
         "off": base,
         "on": {**base, **spec, "speculative_max_running": args.spec_max_running},
-        "on-no-limit": {**base, **spec, "speculative_max_running": NO_LIMIT},
+        "on-fixed": {**base, **spec, "speculative_adaptive": False, "speculative_max_running": None},
     }
     names = ENGINES[:2] if args.skip_sweep else ENGINES
     engines, load_seconds = {}, {}
@@ -495,15 +497,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nconcurrency sweep: N code-editing requests at once, EOS ignored, {args.sweep_max_tokens} output tokens each; "
               f"output tok/s = output tokens / wall time, median of {args.repeats}")
         print_sweep(sweep, args.spec_max_running)
-        print("on verifs: verifications of the 'on' engine (0: its threshold kept speculation off, so on/off is noise); "
+        print("on verifs: verifications of the 'on' engine (0: its plan kept speculation off, so on/off is noise); "
               "spread: (max - min) / median over the repeats, the largest of the three engines; acceptance, "
-              "accepted/verif: on-no-limit; mismatches: requests whose output differs from off (on-no-limit / on)")
+              "accepted/verif: on-fixed; mismatches: requests whose output differs from off (on-fixed / on)")
         if last_ok is None:
-            verdict = f"on-no-limit is below 1.0x already at N={first_below}"
+            verdict = f"on-fixed is below 1.0x already at N={first_below}"
         else:
-            verdict = (f"on-no-limit is >= 1.0x up to N={last_ok}"
+            verdict = (f"on-fixed is >= 1.0x up to N={last_ok}"
                        + (f", below from N={first_below}" if first_below else " (every N measured)"))
-        print(f"crossover: {verdict}; the 'on' engine's threshold: speculative_max_running={args.spec_max_running}")
+        print(f"crossover: {verdict}" + ("" if args.spec_max_running is None else
+              f"; the 'on' engine's threshold: speculative_max_running={args.spec_max_running}"))
 
     problems_found = []
     for task, r in batch1.items():
@@ -517,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             problems_found.append(
                 f"batch 1 {task}: per-output draft/accepted counts {on['output_draft_tokens']}/"
                 f"{on['output_accepted_tokens']} differ from the scheduler's {on['draft_tokens']}/{on['accepted_tokens']}")
-    differ = sum(row[name]["mismatches"] for row in sweep for name in ("on", "on-no-limit"))
+    differ = sum(row[name]["mismatches"] for row in sweep for name in ("on", "on-fixed"))
     if differ:
         problems_found.append(f"sweep: {differ} output(s) differ from off (the mismatches column)")
     for row in sweep:

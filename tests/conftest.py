@@ -122,3 +122,16 @@ def server(default_model_path, tmp_path_factory):
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def flat_step_cost():
+    """Engines built while this is active (a module's) see a bandwidth-bound step cost, each
+    token past the first 2% of a step, instead of measuring this host's: what speculation
+    computes is tested apart from how busy the machine is when the engine starts
+    (tests/engine/test_step_cost.py measures the real one)."""
+    from tokenmill.spec_decode.cost import StepCost, StepCostCache
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StepCostCache, "get", lambda self, key: StepCost((1, 64), (1.0, 2.26)))
+        yield

@@ -131,12 +131,15 @@ class EngineConfig:
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     draft_model: str | None = None
-    # Adaptive speculation: each request's draft length follows its recent acceptance (up to
-    # num_speculative_tokens), and no request speculates in a step while more than
-    # speculative_max_running requests are running or waiting (the step is then compute-bound and
-    # verifying drafts costs more than it saves).
+    # Adaptive speculation: the engine measures at start what a step of n tokens costs (cached
+    # per model, precision and host), and each step every request verifies the number of its
+    # drafts (up to num_speculative_tokens) that maximises expected tokens per second, from its
+    # recent acceptance; when the step is such that drafts do not pay (many requests running:
+    # compute-bound), nobody speculates (spec_decode/cost.py). Off: always up to
+    # num_speculative_tokens. speculative_max_running, if set, turns speculation off in a step
+    # while more requests than that are running or waiting.
     speculative_adaptive: bool = True
-    speculative_max_running: int = 2
+    speculative_max_running: int | None = None
     # One model over several ranks (executor/, distributed/): tensor parallelism splits every
     # layer's heads and MLP over tensor_parallel_size ranks (one all-reduce per sublayer),
     # pipeline parallelism its layers into pipeline_parallel_size stages (micro-batches in
@@ -208,7 +211,8 @@ class EngineConfig:
         _check_min("num_speculative_tokens", self.num_speculative_tokens, 1)
         _check_min("speculative_ngram_min", self.speculative_ngram_min, 1)
         _check_min("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
-        _check_min("speculative_max_running", self.speculative_max_running, 1)
+        if self.speculative_max_running is not None:
+            _check_min("speculative_max_running", self.speculative_max_running, 1)
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_min("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_min("nnodes", self.nnodes, 1)

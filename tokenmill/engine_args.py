@@ -138,11 +138,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
                         help=f"ngram: longest suffix to look up; the longest match wins (default: {d.speculative_ngram_max})")
     parser.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
-                        help="always verify up to --num-speculative-tokens drafts instead of adapting each request's "
-                             "draft length to its recent acceptance")
+                        help="always verify up to --num-speculative-tokens drafts instead of choosing each step's "
+                             "drafts from the step cost measured at start and each request's recent acceptance")
     parser.add_argument("--speculative-max-running", type=int, default=d.speculative_max_running,
                         help="no speculation in a step while more requests than this are running or waiting "
-                             f"(default: {d.speculative_max_running})")
+                             "(default: no such limit; the measured step cost decides when drafts stop paying)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -23,9 +23,12 @@ PROMPTS = [
     "Paris is the capital of France. Berlin is the capital of Germany. Madrid",
 ]
 MAX_TOKENS = [28, 11, 24, 16, 7]
-# speculative_max_running above the number of prompts: every request speculates while they all run.
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3,
-            speculative_max_running=8)
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _flat_step_cost(flat_step_cost):
+    """Speculation here plans its drafts on a fixed bandwidth-bound step cost (tests/conftest.py)."""
 
 
 def greedy(max_tokens, **kw):

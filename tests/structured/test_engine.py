@@ -149,6 +149,11 @@ SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ng
             speculative_max_running=8)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _flat_step_cost(flat_step_cost):
+    """Speculation here plans its drafts on a fixed bandwidth-bound step cost (tests/conftest.py)."""
+
+
 def test_ngram_speculation_is_valid_and_greedy_identical(default_model_path, reference):
     spec = LLM(str(default_model_path), dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256, **SPEC)
     prompts, ref = reference

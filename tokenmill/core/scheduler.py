@@ -33,6 +33,7 @@ from tokenmill.core.outputs import (
     SchedulerOutput,
 )
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.spec_decode.cost import AcceptanceEstimate, StepCost, plan_drafts, worth_drafting
 
 
 class RequestRejectedError(ValueError):
@@ -46,10 +47,14 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     # Speculative decoding: the most drafts a request verifies per step (0 = off); adaptive
-    # draft lengths; no drafts while more than spec_max_running requests run.
+    # draft lengths (with step_cost, the measured step time by tokens computed: each step's
+    # drafts maximise expected tokens per second, spec_decode/cost.py; without it, one more
+    # than the last verification accepted); no drafts while more than spec_max_running
+    # requests run (None: no such limit).
     num_speculative_tokens: int = 0
     spec_adaptive: bool = True
-    spec_max_running: int = 2
+    spec_max_running: int | None = None
+    step_cost: StepCost | None = None
     # KV slots reserved past a sampled request's scheduled tokens, where a draft model writes
     # the KV of the drafts it proposes after the step (0 for n-gram drafts).
     spec_lookahead: int = 0
@@ -73,6 +78,8 @@ class Scheduler:
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
         self.spec_accepted_per_position = [0] * config.num_speculative_tokens
+        # every request's verifications: the acceptance a new request starts from
+        self.spec_acceptance = AcceptanceEstimate()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -95,6 +102,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise RequestRejectedError(f"request id {request.request_id!r} is already in use")
         request.spec_k = self.config.num_speculative_tokens
+        if self.config.num_speculative_tokens:
+            # a seeded sampled request's draws follow its drafts: nothing about its drafts may
+            # depend on other requests, not even the prior
+            request.spec_acceptance = AcceptanceEstimate(None if _seeded(request) else self.spec_acceptance.value)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -115,6 +126,8 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         drafts_to_propose: dict[str, int] = {}
         speculate = self._speculation_on()
+        if speculate and self.config.spec_adaptive and self.config.step_cost is not None:
+            speculate = self._plan_drafts()
 
         # 1. Running requests, oldest first.
         i = 0
@@ -229,7 +242,40 @@ class Scheduler:
 
     def _speculation_on(self) -> bool:
         c = self.config
-        return c.num_speculative_tokens > 0 and len(self.running) + len(self.waiting) <= c.spec_max_running
+        return c.num_speculative_tokens > 0 and (
+            c.spec_max_running is None or len(self.running) + len(self.waiting) <= c.spec_max_running)
+
+    def _plan_drafts(self) -> bool:
+        """Set each running request's draft count for this step from the measured step cost
+        (`spec_decode.cost.plan_drafts`). False when the step is such that not even a draft sure
+        to be accepted would pay: then nobody verifies or proposes drafts."""
+        c = self.config
+        budget = c.max_num_batched_tokens
+        num_tokens = num_sampled = 0
+        candidates: list[tuple[float, int]] = []
+        planned: list[Request] = []
+        seeded = False
+        for req in self.running:
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = min(remaining, budget - num_tokens)
+            if num_new <= 0:
+                break
+            num_tokens += num_new
+            num_sampled += num_new == remaining
+            req.spec_k = 0
+            if remaining == 1 and req.spec_token_ids and req.num_computed_tokens >= req.num_prompt_tokens:
+                candidate = (req.spec_acceptance.value, min(len(req.spec_token_ids), c.num_speculative_tokens))
+                if _seeded(req):  # planned as if alone, so that its output is the same in any batch
+                    req.spec_k = plan_drafts(c.step_cost, 1, 1, [candidate])[0]
+                else:
+                    candidates.append(candidate)
+                    planned.append(req)
+            seeded = seeded or _seeded(req)
+        if not worth_drafting(c.step_cost, max(num_tokens, 1), max(num_sampled, 1)):
+            return seeded  # (a seeded request keeps proposing and verifying as if alone)
+        for req, k in zip(planned, plan_drafts(c.step_cost, num_tokens, num_sampled, candidates)):
+            req.spec_k = k
+        return True
 
     def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step: its proposed ones, cut to its
@@ -255,9 +301,10 @@ class Scheduler:
     def _next_num_drafts(self, req: Request) -> int:
         """The most drafts `req` can verify next step: its adaptive length after this step's
         verification, which grows by at most one (`_record_verification`)."""
-        if not self.config.spec_adaptive:
-            return self.config.num_speculative_tokens
-        return min(self.config.num_speculative_tokens, req.spec_k + 1)
+        c = self.config
+        if not c.spec_adaptive or (c.step_cost is not None and not c.spec_lookahead):
+            return c.num_speculative_tokens  # proposals without a model cost little: the plan picks
+        return min(c.num_speculative_tokens, req.spec_k + 1)
 
     def _lookahead(self, req: Request, num_new: int) -> int:
         """Slots for a draft model's proposals after this step, if the step samples the request:
@@ -274,7 +321,9 @@ class Scheduler:
         self.num_spec_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.spec_accepted_per_position[i] += 1
-        if self.config.spec_adaptive:
+        req.spec_acceptance.update(num_drafts, num_accepted)
+        self.spec_acceptance.update(num_drafts, num_accepted)
+        if self.config.spec_adaptive and self.config.step_cost is None:
             # All accepted: try one more next time; else aim just past what was accepted.
             limit = self.config.num_speculative_tokens
             req.spec_k = min(limit, num_drafts + 1) if num_accepted == num_drafts else max(1, num_accepted + 1)
@@ -324,6 +373,13 @@ class Scheduler:
                 assert new_token_ids[:num_accepted] == drafts[:num_accepted]
                 num_tokens -= len(drafts) - num_accepted
                 self._record_verification(req, len(drafts), num_accepted)
+            elif req.spec_token_ids and new_token_ids and req.spec_acceptance is not None:
+                # Drafts proposed but not verified (not worth it at the estimate): the token the
+                # step produced says whether the first would have been accepted, so a request
+                # whose drafts start to match again is seen to.
+                hit = new_token_ids[0] == req.spec_token_ids[0]
+                req.spec_acceptance.update(1, int(hit))
+                self.spec_acceptance.update(1, int(hit))
             req.num_computed_tokens += num_tokens
             req.spec_token_ids = result.spec_token_ids.get(req_id, [])
             prompt_logprobs = result.prompt_logprobs.get(req_id)
@@ -371,3 +427,9 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_req_ids.add(req.request_id)
+
+
+def _seeded(req: Request) -> bool:
+    """A sampled request with its own seed: its draws follow its drafts."""
+    params = req.sampling_params
+    return params.seed is not None and not params.greedy

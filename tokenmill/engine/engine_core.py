@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
+
+import tokenmill
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -13,7 +16,9 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
 from tokenmill.engine.faults import FaultPlan
 from tokenmill.executor import MultiprocExecutor
+from tokenmill.layers.cpu_isa import host_isa
 from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.spec_decode.cost import MEASURE_CONTEXT, MEASURED_SIZES, StepCost, StepCostCache, measure_step_cost
 from tokenmill.worker.cpu import keep_large_allocations_in_heap
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -63,6 +68,7 @@ class EngineCore:
                     num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
                     spec_adaptive=config.speculative_adaptive,
                     spec_max_running=config.speculative_max_running,
+                    step_cost=self._step_cost(config, checkpoint),
                     spec_lookahead=config.num_speculative_tokens if config.speculative_method == "draft" else 0,
                 ),
                 self.kv_cache_manager,
@@ -80,14 +86,46 @@ class EngineCore:
             self.shutdown()
             raise
         if config.speculative_method:
+            cost = self.scheduler.config.step_cost
             logger.info(
-                "speculative decoding: %s, up to %d drafts per request and step, adaptive %s, "
-                "off while more than %d requests are running or waiting",
+                "speculative decoding: %s, up to %d drafts per request and step, %s%s",
                 f"draft model {config.draft_model}" if config.speculative_method == "draft" else
                 "suffix decoding" if config.speculative_method == "suffix" else
                 f"n-gram {config.speculative_ngram_min}..{config.speculative_ngram_max}",
-                config.num_speculative_tokens, "on" if config.speculative_adaptive else "off", config.speculative_max_running,
+                config.num_speculative_tokens,
+                f"drafts per step from the step cost t(1+k)/t(1): {cost.describe()}" if cost else
+                "adaptive (no step cost)" if config.speculative_adaptive else "not adaptive",
+                f", off while more than {config.speculative_max_running} requests are running or waiting"
+                if config.speculative_max_running else "",
             )
+
+    def _step_cost(self, config: EngineConfig, checkpoint: LoadedCheckpoint) -> StepCost | None:
+        """What a step of n tokens costs here, for choosing drafts (spec_decode/cost.py):
+        measured once per model, precision and host, then read from the cache."""
+        if not (config.speculative_method and config.speculative_adaptive):
+            return None
+        room = self.runner.num_blocks * config.block_size
+        context = min(MEASURE_CONTEXT, room // 2)
+        limit = min(config.max_num_batched_tokens, room - context, self.max_model_len - context - 1)
+        sizes = tuple(sorted({n for n in (*MEASURED_SIZES, 1 + config.num_speculative_tokens) if n <= limit}))
+        source = checkpoint.source
+        key = {
+            "model": str(source.resolve()), "bytes": source.stat().st_size if source.is_file() else None,
+            "quantization": config.quantization, "dtype": str(self.dtype), "kv_cache_dtype": config.kv_cache_dtype,
+            "device": self.device if self.device == "cpu" else torch.cuda.get_device_name(),
+            "cpu_isa": host_isa(), "threads": torch.get_num_threads(), "tp": config.tensor_parallel_size,
+            "pp": config.pipeline_parallel_size, "block_size": config.block_size, "sizes": sizes,
+            "context": context, "version": tokenmill.__version__,
+        }
+        cache = StepCostCache()
+        cost = cache.get(key)
+        if cost is None:
+            start = time.perf_counter()
+            cost = measure_step_cost(self.executor.execute_model, config.block_size, sizes, context)
+            cache.put(key, cost)
+            logger.info("step cost measured in %.1fs: %s", time.perf_counter() - start,
+                        ", ".join(f"t({n}) {s * 1e3:.1f} ms" for n, s in zip(cost.sizes, cost.seconds)))
+        return cost
 
     def check_health(self) -> None:
         """Raise if a rank the engine needs has exited (split over ranks; a no-op otherwise)."""

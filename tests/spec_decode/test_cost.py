@@ -1,0 +1,77 @@
+"""The verify-cost model: the step-time curve, the acceptance estimate, the plan of drafts per
+step, and its cache. Pure Python; the measurement on a real model is in
+tests/engine/test_speculative.py."""
+
+import json
+
+import pytest
+
+from tokenmill.spec_decode.cost import AcceptanceEstimate, StepCost, StepCostCache, plan_drafts, worth_drafting
+
+# bandwidth-bound up to 8 tokens (each extra token costs 2% of one), compute-bound after
+FLAT = StepCost((1, 8, 16, 32), (10.0, 11.4, 19.4, 35.4))
+
+
+def test_step_time_interpolates_extrapolates_and_never_falls():
+    assert FLAT.time(1) == 10.0
+    assert FLAT.time(4) == pytest.approx(10.6)
+    assert FLAT.time(64) == pytest.approx(35.4 + 32 * 1.0)  # the last segment's slope
+    assert FLAT.ratio(8) == pytest.approx(1.14)
+    noisy = StepCost((1, 2, 3), (10.0, 12.0, 11.0))  # a faster larger step is noise
+    assert noisy.seconds == (10.0, 12.0, 12.0)
+    with pytest.raises(ValueError):
+        StepCost((2, 4), (1.0, 2.0))
+
+
+def test_acceptance_estimate_follows_recent_verifications():
+    est = AcceptanceEstimate(0.5)
+    assert est.value == 0.5
+    for _ in range(10):
+        est.update(4, 4)  # all accepted: nothing rejected was tested
+    assert est.value > 0.95
+    for _ in range(10):
+        est.update(4, 0)  # the first draft rejected: one tested, none accepted
+    assert est.value < 0.35
+    for _ in range(10):
+        est.update(4, 0)
+    assert est.value < 0.1
+
+
+def test_drafts_go_where_they_are_expected_to_pay():
+    # one request, bandwidth-bound: at a = 0.9 every draft up to the cap pays...
+    assert plan_drafts(FLAT, 1, 1, [(0.9, 6)]) == [6]
+    # ...but not the 8th, past the bend (9% more time for 0.9^8 = 0.43 more of 5.7 tokens)
+    assert plan_drafts(FLAT, 1, 1, [(0.9, 12)]) == [7]
+    # a = 0.1: the first draft adds 0.1 tokens for 2% more time (pays), the second 0.01 for 2% (does not)
+    assert plan_drafts(FLAT, 1, 1, [(0.1, 8)]) == [1]
+    # a steep curve (each draft costs 40% of a step): only a likely draft pays
+    steep = StepCost((1, 2, 9), (10.0, 14.0, 42.0))
+    assert plan_drafts(steep, 1, 1, [(0.3, 4)]) == [0]
+    assert plan_drafts(steep, 1, 1, [(0.8, 4)])[0] >= 1
+    # two requests share the step: the better one gets the drafts first
+    ks = plan_drafts(FLAT, 2, 2, [(0.9, 4), (0.2, 4)])
+    assert ks[0] == 4 and ks[0] > ks[1]
+    # no candidates, no drafts
+    assert plan_drafts(FLAT, 4, 4, []) == []
+
+
+def test_a_compute_bound_step_gets_no_drafts():
+    # 32 decoding requests on the compute-bound part: one more token costs 1/35 of the step and
+    # brings at most 1/32 more tokens, at a = 0.5 half of that
+    assert plan_drafts(FLAT, 32, 32, [(0.5, 4)] * 32) == [0] * 32
+    assert worth_drafting(FLAT, 1, 1)
+    assert not worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1)  # a draft triples the step
+
+
+def test_cache_round_trip_and_key_mismatch(tmp_path):
+    cache = StepCostCache(tmp_path)
+    key = {"model": "m", "dtype": "bfloat16"}
+    assert cache.get(key) is None
+    cache.put(key, FLAT)
+    assert cache.get(key) == FLAT
+    assert cache.get({**key, "dtype": "float32"}) is None
+    path = next(tmp_path.glob("*.json"))
+    path.write_text("{not json")  # a torn file is a miss
+    assert cache.get(key) is None
+    path.write_text(json.dumps({"key": key, "sizes": [1, 2], "seconds": [1.0]}))
+    assert cache.get(key) is None

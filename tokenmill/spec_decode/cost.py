@@ -1,0 +1,194 @@
+"""What verifying drafts costs, and how many drafts each request verifies in a step.
+
+A step's time grows with the tokens it computes: t(n). One decode token reads every weight once
+and is bound by memory bandwidth, so t(1 + k) / t(1) stays near 1 while the matmuls stay
+bandwidth-bound and grows once they turn compute-bound (more drafts, more requests). The engine
+measures t(n) at start, through the same execute_model path a verifying step takes
+(`measure_step_cost`), and keeps it per model, precision and host (`StepCostCache`).
+
+Each request carries an estimate of its per-draft acceptance a (`AcceptanceEstimate`). With
+drafts accepted one after the other, k drafts give 1 + a + a^2 + ... + a^k tokens in
+expectation, so the j-th draft of a request adds a^j. `plan_drafts` hands out drafts in order of
+that gain, across every request of the step, and keeps the count that gives the most expected
+tokens per second of step time; with none worth it nobody speculates. The same rule works at
+batch 1 and in batches: under load a step is compute-bound and drafts stop paying on their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Step sizes measured at start: the verify sizes of one request, then a few batch sizes; the
+# curve is extrapolated linearly past the last one.
+MEASURED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+MEASURE_CONTEXT = 64  # tokens already in the cache of the measured request
+MEASURE_REPEATS = 3  # the fastest of these counts (a slower run is noise, not cost)
+CACHE_DIR = Path.home() / ".cache" / "tokenmill" / "step-cost"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Step time by tokens computed, at the measured sizes (ascending, from 1)."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError("step sizes must ascend from 1")
+        if len(self.seconds) != len(self.sizes) or min(self.seconds) <= 0:
+            raise ValueError("one positive time per size")
+        # a larger step never takes less time: noise in a measurement is not a cheaper step
+        running = []
+        for s in self.seconds:
+            running.append(max(s, running[-1]) if running else s)
+        object.__setattr__(self, "seconds", tuple(running))
+
+    def time(self, n: int) -> float:
+        """Seconds for a step of n tokens: linear between measured sizes and past the last."""
+        sizes, secs = self.sizes, self.seconds
+        if n <= sizes[0]:
+            return secs[0]
+        for i in range(1, len(sizes)):
+            if n <= sizes[i]:
+                lo, hi = sizes[i - 1], sizes[i]
+                return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
+        if len(sizes) == 1:
+            return secs[0]
+        slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
+        return secs[-1] + slope * (n - sizes[-1])
+
+    def ratio(self, n: int) -> float:
+        """t(n) / t(1)."""
+        return self.time(n) / self.seconds[0]
+
+    def describe(self, ks: Sequence[int] = (1, 2, 4, 8, 16)) -> str:
+        return ", ".join(f"k={k} {self.ratio(1 + k):.2f}" for k in ks)
+
+
+class AcceptanceEstimate:
+    """A request's per-draft acceptance: the fraction of drafts accepted, counting the first
+    rejected draft of a verification (the ones after it were never tested), over recent
+    verifications (older ones decay), starting from a prior."""
+
+    __slots__ = ("accepted", "tested")
+    DECAY = 0.8
+    PRIOR = 0.5
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self, prior: float | None = None):
+        self.accepted = (self.PRIOR if prior is None else prior) * self.PRIOR_WEIGHT
+        self.tested = self.PRIOR_WEIGHT
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        tested = num_accepted + (1 if num_accepted < num_drafts else 0)
+        self.accepted = self.DECAY * self.accepted + num_accepted
+        self.tested = self.DECAY * self.tested + tested
+
+    @property
+    def value(self) -> float:
+        return min(self.accepted / self.tested, 0.999)
+
+
+def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: Sequence[tuple[float, int]]) -> list[int]:
+    """Drafts to verify for each candidate (acceptance a, at most m drafts) in a step of
+    num_tokens tokens without drafts that samples num_sampled requests: the number that
+    maximises expected tokens per second of step time, handed out by expected gain."""
+    gains: list[float] = []
+    owners: list[int] = []
+    heap = [(-a, i, 1) for i, (a, m) in enumerate(candidates) if m > 0 and a > 0]
+    heapq.heapify(heap)
+    while heap:  # the marginal gains, largest first: a^j for the j-th draft of a request
+        neg_gain, i, j = heapq.heappop(heap)
+        gains.append(-neg_gain)
+        owners.append(i)
+        a, m = candidates[i]
+        if j < m:
+            heapq.heappush(heap, (-(a ** (j + 1)), i, j + 1))
+    best, best_rate, expected = 0, num_sampled / cost.time(num_tokens), float(num_sampled)
+    for count, gain in enumerate(gains, 1):
+        expected += gain
+        rate = expected / cost.time(num_tokens + count)
+        if rate > best_rate:
+            best, best_rate = count, rate
+    ks = [0] * len(candidates)
+    for i in owners[:best]:
+        ks[i] += 1
+    return ks
+
+
+def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int) -> bool:
+    """Whether even a draft sure to be accepted would pay in such a step."""
+    return num_sampled > 0 and (num_sampled + 1) * cost.time(num_tokens) > num_sampled * cost.time(num_tokens + 1)
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+def measure_step_cost(execute_model: Callable[[SchedulerOutput], object], block_size: int, sizes: Sequence[int],
+                      context: int = MEASURE_CONTEXT, repeats: int = MEASURE_REPEATS) -> StepCost:
+    """Time verifying steps of each size for one request with `context` tokens in its cache:
+    1 known token + n - 1 drafts, greedy, through the runner's own execute_model. Runs before
+    any request, on the first blocks of the cache (nothing holds them yet), and leaves no
+    request state behind."""
+    req_id = "step-cost"
+    num_blocks = -(-(context + max(sizes)) // block_size)
+    params = SamplingParams(temperature=0.0, max_tokens=max(sizes) + 1)
+    new = NewRequestData(req_id, [0] * context, context, params, [], list(range(num_blocks)), 0)
+    execute_model(SchedulerOutput([new], [], {req_id: context}, context))  # the prompt, and one token sampled
+    seconds = []
+    try:
+        for n in sizes:
+            step = SchedulerOutput([], [CachedRequestData(req_id, [], context)], {req_id: n}, n,
+                                   scheduled_spec_tokens={req_id: [0] * (n - 1)} if n > 1 else {})
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                execute_model(step)
+                times.append(time.perf_counter() - start)
+            seconds.append(min(times))
+    finally:  # gone from the runner as a preempted request goes: no state, nothing proposed from it
+        execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids={req_id}))
+    return StepCost(tuple(sizes), tuple(seconds))
+
+
+class StepCostCache:
+    """Measured curves on disk, one file per key (the model file, precision, device, kernels
+    level, threads, parallel shape): a restart on the same setup measures nothing."""
+
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory or CACHE_DIR
+
+    def _path(self, key: dict) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        return self.directory / f"{digest}.json"
+
+    def get(self, key: dict) -> StepCost | None:
+        try:
+            data = json.loads(self._path(key).read_text())
+            if data.get("key") != json.loads(json.dumps(key)):  # (as stored: tuples are lists)
+                return None
+            return StepCost(tuple(data["sizes"]), tuple(data["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put(self, key: dict, cost: StepCost) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": key, "sizes": cost.sizes, "seconds": cost.seconds}))
+            tmp.replace(path)
+        except OSError as e:  # a read-only home costs a measurement per start, nothing else
+            logger.debug("step cost not cached: %s", e)
