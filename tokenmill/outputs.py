@@ -24,9 +24,11 @@ class CompletionOutput:
     # What this step added (for streaming); the cumulative fields above include it.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    # Speculative decoding: draft tokens verified for this sample, and how many were accepted.
+    # Speculative decoding: draft tokens verified for this sample, how many were accepted, and
+    # in how many steps (mean acceptance length = 1 + accepted / verifications).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_verifications: int = 0
 
     @property
     def finished(self) -> bool:

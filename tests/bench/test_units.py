@@ -114,6 +114,27 @@ def test_summary_counts_throughput_goodput_and_cost():
     assert s["cost"]["per_million_output_tokens"] == pytest.approx(0.04 / 28 * 1e6)
 
 
+def test_summary_gives_the_acceptance_of_speculating_servers():
+    from tokenmill.bench.report import format_summary
+
+    plain = summarize([_ok(0, 0.1, 1.1, 11)], duration=2.0)
+    assert "speculative" not in plain
+    tm = [_ok(i, 0.1, 1.1, 11) for i in range(2)]
+    tm[0].draft_tokens, tm[0].accepted_tokens, tm[0].verifications = 12, 9, 4
+    tm[1].draft_tokens, tm[1].accepted_tokens, tm[1].verifications = 8, 3, 4
+    sp = summarize(tm, duration=2.0)["speculative"]
+    assert (sp["draft_tokens"], sp["accepted_tokens"], sp["verifications"]) == (20, 12, 8)
+    assert sp["acceptance_rate"] == pytest.approx(0.6)
+    assert sp["mean_acceptance_length"] == pytest.approx(1 + 12 / 8)
+    assert any("12 of 20 drafts accepted (60.0%), mean acceptance length 2.50" in line
+               for line in format_summary(summarize(tm, duration=2.0)))
+    # llama-server's timings give no verification count: the rate, not the length
+    llama = [_ok(0, 0.1, 1.1, 11)]
+    llama[0].draft_tokens, llama[0].accepted_tokens = 10, 4
+    sp = summarize(llama, duration=2.0)["speculative"]
+    assert sp["acceptance_rate"] == pytest.approx(0.4) and sp["mean_acceptance_length"] is None
+
+
 def test_slo_run_check_uses_the_given_percentile_or_every_request():
     results = [_ok(i, 0.1, 1.0, 10) for i in range(99)] + [_ok(99, 5.0, 5.5, 10)]
     s = summarize(results, 10.0, parse_percentiles("50,90,99"), parse_slos("ttft_p90=1s"))

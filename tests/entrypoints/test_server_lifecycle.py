@@ -111,7 +111,10 @@ def test_speculation_metrics_name_the_method_and_the_mean_acceptance_length(guar
     auth = {"Authorization": "Bearer sekret"}
     body = {"model": MODEL, "prompt": "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The",
             "max_tokens": 24, "ignore_eos": True, "temperature": 0}
-    assert httpx.post(f"{guarded.url}/v1/completions", json=body, headers=auth, timeout=60).status_code == 200
+    r = httpx.post(f"{guarded.url}/v1/completions", json=body, headers=auth, timeout=60)
+    assert r.status_code == 200
+    spec = r.json()["usage"]["speculative_decoding"]  # this request's share
+    assert spec["verifications"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"] > 0
     m = metrics(guarded.url)
     drafts = m["tokenmill_spec_decode_num_drafts_total{method=suffix}"]
     accepted = m["tokenmill_spec_decode_num_accepted_tokens_total{method=suffix}"]

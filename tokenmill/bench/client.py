@@ -58,6 +58,12 @@ class RequestResult:
     num_output_events: int = 0
     finish_reason: str | None = None
     usage_reported: bool = False  # False: output_tokens counted from events, prompt_tokens unknown
+    # Speculative decoding, when the server reports it: tokenmill's usage.speculative_decoding
+    # (draft_tokens, accepted_tokens, verifications), llama-server's timings (draft_n,
+    # draft_n_accepted; no verification count)
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    verifications: int | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -72,6 +78,8 @@ class RequestResult:
             "tpot_s": self.tpot, "e2e_s": self.e2e, "itl_s": self.itl, "max_tokens": self.max_tokens, "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens, "num_output_events": self.num_output_events,
             "finish_reason": self.finish_reason, "usage_reported": self.usage_reported,
+            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "verifications": self.verifications,
         }
 
 
@@ -172,6 +180,8 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, chat: bo
                         return result
                     if event.get("usage"):
                         usage = event["usage"]
+                    if event.get("timings"):
+                        _llama_drafts(event["timings"], result)
                     carried = event_tokens(event, chat)
                     if carried is None:
                         continue
@@ -190,6 +200,10 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, chat: bo
         return result
     completion_tokens = usage.get("completion_tokens") if usage else None
     result.usage_reported = completion_tokens is not None
+    spec = (usage or {}).get("speculative_decoding")
+    if spec:
+        result.draft_tokens, result.accepted_tokens = spec.get("draft_tokens"), spec.get("accepted_tokens")
+        result.verifications = spec.get("verifications")
     result.prompt_tokens = usage.get("prompt_tokens") if usage else None
     first, itl, total = events.finalize(completion_tokens)
     result.num_output_events = sum(1 for k in events.tokens if k)
@@ -217,3 +231,10 @@ def _error_message(raw: bytes | str) -> str:
     except (json.JSONDecodeError, AttributeError):
         pass
     return text.strip()[:500] or "(empty body)"
+
+
+def _llama_drafts(timings: dict, result: RequestResult) -> None:
+    """llama-server's per-response draft counts (its `timings`), when it speculated."""
+    if "draft_n" in timings:
+        result.draft_tokens = timings["draft_n"]
+        result.accepted_tokens = timings.get("draft_n_accepted")

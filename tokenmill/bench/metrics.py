@@ -168,6 +168,19 @@ def summarize(results: list[RequestResult], duration: float, percentiles: tuple[
         "goodput": (good if slos else len(ok)) / duration,
         "attainment": (good if slos else len(ok)) / max(len(results), 1),
     }
+    drafted = [r for r in ok if r.draft_tokens is not None]
+    if drafted:
+        drafts = sum(r.draft_tokens for r in drafted)
+        accepted = sum(r.accepted_tokens or 0 for r in drafted)
+        counted = [r.verifications for r in drafted if r.verifications is not None]
+        verifications = sum(counted) if len(counted) == len(drafted) else None
+        summary["speculative"] = {
+            "requests": len(drafted), "draft_tokens": drafts, "accepted_tokens": accepted,
+            "verifications": verifications,
+            "acceptance_rate": accepted / drafts if drafts else None,
+            # tokens emitted per verifying step, as vLLM and llama.cpp define it
+            "mean_acceptance_length": 1 + accepted / verifications if verifications else None,
+        }
     if cost_per_hour is not None:
         run_cost = cost_per_hour * duration / 3600.0
         summary["cost"] = {

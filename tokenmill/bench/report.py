@@ -30,6 +30,11 @@ def format_summary(s: dict) -> list[str]:
         _kv("tokens", f"{s['total_input_tokens']} prompt, {s['total_output_tokens']} output"
                       + ("" if s["usage_reported"] else " (no usage from the server: output counted from events)")),
     ]
+    if s.get("speculative"):
+        sp = s["speculative"]
+        rate = "-" if sp["acceptance_rate"] is None else f"{sp['acceptance_rate']:.1%}"
+        mean = "" if sp["mean_acceptance_length"] is None else f", mean acceptance length {sp['mean_acceptance_length']:.2f}"
+        lines.append(_kv("speculation", f"{sp['accepted_tokens']} of {sp['draft_tokens']} drafts accepted ({rate}){mean}"))
     slo = s["slo"]
     if slo["spec"]:
         lines.append(_kv("goodput", f"{slo['goodput']:.2f} req/s ({slo['good_requests']} of {s['num_sent']} "

@@ -276,6 +276,7 @@ class LLMEngine:
         c.delta_token_ids.extend(new_ids)
         c.num_draft_tokens += out.num_draft_tokens
         c.num_accepted_tokens += out.num_accepted_tokens
+        c.num_verifications += out.num_draft_tokens > 0
         if c.logprobs is not None and out.new_logprobs is not None:
             for token_id, logprob, top in zip(new_ids, out.new_logprobs, out.new_top_logprobs or []):
                 c.logprobs.append(TokenLogprob(token_id, logprob, top))

@@ -480,6 +480,7 @@ def _usage(finals: list[RequestOutput]) -> dict:
     if drafts:  # an extension: what speculative decoding did for this request
         usage["speculative_decoding"] = {
             "draft_tokens": drafts, "accepted_tokens": sum(c.num_accepted_tokens for f in finals for c in f.outputs),
+            "verifications": sum(c.num_verifications for f in finals for c in f.outputs),
         }
     return usage
 
