@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers.sampler import Sampler, SamplingRow, rejection_sample
+from tokenmill.layers.sampler import Sampler, SamplingRow
+from tokenmill.spec_decode.rejection import rejection_sample
 from tokenmill.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -19,7 +19,7 @@ rest of the batch, on row order, or on whether the request was preempted and rec
 
 The small tensors a stage builds from the rows (indices, temperatures, top-k / top-p / min-p,
 penalties, token ids) go to the logits' device in one copy per stage, two where it needs both
-int64 and float32 values (`_to_device`: on CUDA from pinned memory, without waiting for the
+int64 and float32 values (`layers.uploads.to_device`: on CUDA from pinned memory, without waiting for the
 stream).
 
 With the compiled CPU kernels (`Sampler(kernels=...)`, the model runner's on a CPU), logits on
@@ -37,7 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.layers.uploads import to_device
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.rejection import SpecSamplerOutput, rejection_sample
 from tokenmill.structured.bitmask import apply_bitmask_, masked
 
 _MASK64 = (1 << 64) - 1
@@ -127,7 +129,7 @@ class Sampler:
         probs = torch.zeros_like(x)
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
         greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
-        both = _to_device(greedy_idx + random_idx, torch.long, x.device)
+        both = to_device(greedy_idx + random_idx, torch.long, x.device)
         if greedy_idx:
             idx = both[: len(greedy_idx)]
             probs[idx, x[idx].argmax(dim=-1)] = 1.0
@@ -185,7 +187,7 @@ class Sampler:
         out = SpecSamplerOutput(token_ids, None, None)
         if any(row.params.logprobs is not None for row in rows):
             emitted_rows = [first + i for first, tokens in zip(first_rows, token_ids) for i in range(len(tokens))]
-            rows_t, flat = _to_device([emitted_rows, [t for tokens in token_ids for t in tokens]], torch.long, device)
+            rows_t, flat = to_device([emitted_rows, [t for tokens in token_ids for t in tokens]], torch.long, device)
             lps, tops = _gather_logprobs(logits[rows_t].float(), flat, [rows[i] for i in emitted_rows])
             out.logprobs, out.top_logprobs = [], []
             i = 0
@@ -201,7 +203,7 @@ class Sampler:
         if len(random_idx) == len(rows):
             return self._sample_random(x, rows)
         token_ids = x.argmax(dim=-1)
-        idx = _to_device(random_idx, torch.long, x.device)
+        idx = to_device(random_idx, torch.long, x.device)
         token_ids[idx] = self._sample_random(x[idx], [rows[i] for i in random_idx])
         return token_ids
 
@@ -303,79 +305,6 @@ _SPEC_STREAM = 0x5BEC_DEC0DE
 _DRAFT_STREAM = 0xD8AF7
 
 
-@dataclass
-class SpecSamplerOutput:
-    token_ids: list[list[int]]  # per request: accepted drafts + one target token
-    logprobs: list[list[float]] | None  # per request, per emitted token (when some row asked)
-    top_logprobs: list[list[list[tuple[int, float]]]] | None
-
-
-def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[list[int]], draft_probs: torch.Tensor | None,
-                     uniforms: torch.Tensor, noise: torch.Tensor) -> tuple[list[list[int]], list[int]]:
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a batch of requests.
-
-    target_probs: [sum(k_r + 1), vocab_size], each request's k_r + 1 rows in order (p);
-    draft_probs: [sum(k_r), vocab_size] the draft's distributions q, or None for one-hot q at
-    each draft token; uniforms: [sum(k_r)] U[0, 1); noise: [num_requests, vocab_size] Exp(1).
-    Draft token x at row i is accepted with probability min(1, p_i(x) / q_i(x)); the first
-    rejection at row i draws from normalize(max(0, p_i - q_i)), a fully accepted draft draws a
-    bonus token from p_k. Returns per request the emitted tokens, and the index of its first row."""
-    device = target_probs.device
-    num_drafts = [len(d) for d in draft_token_ids]
-    first_rows: list[int] = []
-    draft_rows: list[int] = []
-    start = 0
-    for k in num_drafts:
-        first_rows.append(start)
-        draft_rows.extend(range(start, start + k))
-        start += k + 1
-    flat_drafts = [t for d in draft_token_ids for t in d]
-    accepted: list[bool] = []
-    if flat_drafts:
-        drafts_t, rows_t = _to_device([flat_drafts, draft_rows], torch.long, device)
-        p = target_probs[rows_t, drafts_t]
-        q = (draft_probs.gather(1, drafts_t[:, None])[:, 0] if draft_probs is not None
-             else torch.ones_like(p))
-        accepted = (uniforms * q < p).tolist()  # u < p / q, without dividing by a tiny q
-    num_accepted: list[int] = []
-    draft_starts: list[int] = []  # each request's first draft in the flat list
-    d = 0
-    for k in num_drafts:
-        a = 0
-        while a < k and accepted[d + a]:
-            a += 1
-        num_accepted.append(a)
-        draft_starts.append(d)
-        d += k
-    final = target_probs[_to_device([f + a for f, a in zip(first_rows, num_accepted)], torch.long, device)]
-    rejected = [r for r, (a, k) in enumerate(zip(num_accepted, num_drafts)) if a < k]
-    if rejected:
-        draft_index = [draft_starts[r] + num_accepted[r] for r in rejected]
-        # The rejected requests' rows, their rejected drafts' rows in draft_probs, and those drafts.
-        rej, rej_draft_rows, rej_drafts = _to_device([rejected, draft_index, [flat_drafts[i] for i in draft_index]],
-                                                     torch.long, device)
-        if draft_probs is not None:
-            residual = (final[rej] - draft_probs[rej_draft_rows]).clamp_(min=0)
-        else:
-            residual = final[rej].clone()
-            residual[torch.arange(len(rejected), device=device), rej_drafts] = 0
-        # p == q up to rounding leaves nothing: then the target row itself (measure zero).
-        empty = residual.sum(dim=-1, keepdim=True) <= 0
-        final[rej] = torch.where(empty, final[rej], residual)
-    last = (final / noise).argmax(dim=-1).tolist()
-    tokens = [list(draft[:a]) + [t] for draft, a, t in zip(draft_token_ids, num_accepted, last)]
-    return tokens, first_rows
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values (a list, or a list of equally long lists) as a tensor on `device`, in one
-    copy: on CUDA from pinned memory and without waiting for the stream (the pinned block's
-    allocator holds it until the copy has run)."""
-    if torch.device(device).type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 def _check_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
@@ -463,8 +392,8 @@ def _add_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
             f"logit_bias token id must be < vocab_size ({vocab_size}), got {max(token_ids)}"
         )
     device = x.device
-    x.index_put_(tuple(_to_device([row_idx, token_ids], torch.long, device)),
-                 _to_device(biases, torch.float32, device), accumulate=True)
+    x.index_put_(tuple(to_device([row_idx, token_ids], torch.long, device)),
+                 to_device(biases, torch.float32, device), accumulate=True)
 
 
 def _mask_stop_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -484,7 +413,7 @@ def _mask_stop_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         row_idx.extend([i] * len(ids))
         token_ids.extend(ids)
     if token_ids:
-        x[tuple(_to_device([row_idx, token_ids], torch.long, x.device))] = float("-inf")
+        x[tuple(to_device([row_idx, token_ids], torch.long, x.device))] = float("-inf")
 
 
 def _token_rows(
@@ -500,7 +429,7 @@ def _token_rows(
             flat.extend(row.prompt_token_ids)
         flat.extend(row.output_token_ids)
         row_of.extend([i] * (len(flat) - n))
-    rows_t, token_ids = _to_device([row_of, flat], torch.long, device)
+    rows_t, token_ids = to_device([row_of, flat], torch.long, device)
     return rows_t, token_ids
 
 
@@ -512,7 +441,7 @@ def _apply_repetition_penalty(x: torch.Tensor, rows: list[SamplingRow]) -> torch
     seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
     seen[rows_t, token_ids] = True
     # (1.0 for the rows outside row_idx)
-    penalty = _to_device([row.params.repetition_penalty for row in rows], torch.float32, device).unsqueeze(1)
+    penalty = to_device([row.params.repetition_penalty for row in rows], torch.float32, device).unsqueeze(1)
     return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
 
 
@@ -535,7 +464,7 @@ def _apply_frequency_presence_penalties(
     counts.index_put_((rows_t, token_ids), ones, accumulate=True)
     selected = set(row_idx)  # the other rows' penalties are 0
     params = [rows[i].params if i in selected else None for i in range(num_rows)]
-    penalties = _to_device([[p.frequency_penalty if p is not None else 0.0 for p in params],
+    penalties = to_device([[p.frequency_penalty if p is not None else 0.0 for p in params],
                             [p.presence_penalty if p is not None else 0.0 for p in params]], torch.float32, device)
     frequency, presence = penalties[0].unsqueeze(1), penalties[1].unsqueeze(1)  # [num_rows, 1] each
     return x - frequency * counts - presence * (counts > 0)
@@ -559,7 +488,7 @@ def _needs_top_k_top_p(params: list[SamplingParams], vocab_size: int) -> bool:
 def _row_table(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[4, n] float32 on `device`, in one copy: each row's temperature, top-p, top-k (0: off;
     exact in float32, being below the vocabulary size and so below 2**24) and min-p."""
-    return _to_device([[p.temperature for p in params], [p.top_p for p in params], _top_ks(params, vocab_size),
+    return to_device([[p.temperature for p in params], [p.top_p for p in params], _top_ks(params, vocab_size),
                        [p.min_p for p in params]], torch.float32, device)
 
 
@@ -597,8 +526,8 @@ def _apply_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float], 
     in full. Either way each row gets one logit threshold; ties with it are kept."""
     vocab_size = x.shape[1]
     if k is None or top_p is None:
-        k = _to_device(top_ks, torch.long, x.device).unsqueeze(1)
-        top_p = _to_device(top_ps, torch.float32, x.device).unsqueeze(1)
+        k = to_device(top_ks, torch.long, x.device).unsqueeze(1)
+        top_p = to_device(top_ps, torch.float32, x.device).unsqueeze(1)
     # A top-k row needs only its k best; a top-p-only row needs the wide candidate set.
     top_p_only = any(tk == 0 and p < 1.0 for tk, p in zip(top_ks, top_ps))
     num_candidates = min(vocab_size, max(_TOP_P_CANDIDATES if top_p_only else 1, max(top_ks)))
@@ -646,7 +575,7 @@ def _gather_logprobs(
     ks = [row.params.logprobs or 0 for row in rows]
     asking = [i for i, k in enumerate(ks) if k > 0]
     if asking:
-        idx = _to_device(asking, torch.long, raw.device)
+        idx = to_device(asking, torch.long, raw.device)
         values, ids = raw[idx].topk(min(max(ks), raw.shape[1]), dim=-1)
         values = (values - lse[idx].unsqueeze(1)).tolist()
         ids = ids.tolist()
