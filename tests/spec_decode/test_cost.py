@@ -6,21 +6,38 @@ import json
 
 import pytest
 
-from tokenmill.spec_decode.cost import AcceptanceEstimate, StepCost, StepCostCache, plan_drafts, worth_drafting
+from tokenmill.spec_decode.cost import (
+    AcceptanceEstimate, StepCost, StepCostCache, StepOverhead, plan_drafts, worth_drafting,
+)
 
 # bandwidth-bound up to 8 tokens (each extra token costs 2% of one), compute-bound after
 FLAT = StepCost((1, 8, 16, 32), (10.0, 11.4, 19.4, 35.4))
 
 
-def test_step_time_interpolates_extrapolates_and_never_falls():
+def test_step_time_interpolates_and_extrapolates():
     assert FLAT.time(1) == 10.0
     assert FLAT.time(4) == pytest.approx(10.6)
     assert FLAT.time(64) == pytest.approx(35.4 + 32 * 1.0)  # the last segment's slope
     assert FLAT.ratio(8) == pytest.approx(1.14)
-    noisy = StepCost((1, 2, 3), (10.0, 12.0, 11.0))  # a faster larger step is noise
-    assert noisy.seconds == (10.0, 12.0, 12.0)
+    dip = StepCost((1, 2, 3), (10.0, 12.0, 11.0))  # kernels that change path at 3 rows: kept as measured
+    assert dip.time(3) == 11.0
     with pytest.raises(ValueError):
         StepCost((2, 4), (1.0, 2.0))
+
+
+def test_the_engines_own_overhead_per_step_makes_drafts_cheaper():
+    steep = StepCost((1, 2), (10.0, 14.0))  # a draft costs 40% of the forward
+    assert plan_drafts(steep, 1, 1, [(0.35, 1)]) == [0]
+    # with 10 of overhead per step the draft costs 20% of the step: at a = 0.35 it pays
+    assert plan_drafts(steep, 1, 1, [(0.35, 1)], overhead=10.0) == [1]
+    assert not worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1)
+    assert worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1, overhead=20.0)
+    over = StepOverhead()
+    over.record(start=0.0, forward_seconds=0.008, end=0.010)  # 2 ms outside the forward
+    over.record(start=0.011, forward_seconds=0.008, end=0.021)  # and a 1 ms gap before it
+    assert over.seconds == pytest.approx(0.1 * 0.9 * 0.002 + 0.1 * 0.003)
+    over.record(start=5.0, forward_seconds=0.008, end=5.010)  # after idling: the gap is not overhead
+    assert over.seconds < 0.001
 
 
 def test_acceptance_estimate_follows_recent_verifications():

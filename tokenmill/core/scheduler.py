@@ -33,7 +33,7 @@ from tokenmill.core.outputs import (
     SchedulerOutput,
 )
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.spec_decode.cost import AcceptanceEstimate, StepCost, plan_drafts, worth_drafting
+from tokenmill.spec_decode.cost import AcceptanceEstimate, StepCost, StepOverhead, plan_drafts, worth_drafting
 
 
 class RequestRejectedError(ValueError):
@@ -80,6 +80,8 @@ class Scheduler:
         self.spec_accepted_per_position = [0] * config.num_speculative_tokens
         # every request's verifications: the acceptance a new request starts from
         self.spec_acceptance = AcceptanceEstimate()
+        # the engine's own time per step besides the forward pass (EngineCore measures it)
+        self.step_overhead = StepOverhead()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -265,15 +267,16 @@ class Scheduler:
             req.spec_k = 0
             if remaining == 1 and req.spec_token_ids and req.num_computed_tokens >= req.num_prompt_tokens:
                 candidate = (req.spec_acceptance.value, min(len(req.spec_token_ids), c.num_speculative_tokens))
-                if _seeded(req):  # planned as if alone, so that its output is the same in any batch
+                if _seeded(req):  # planned as if alone (no measured overhead either): the same in any batch
                     req.spec_k = plan_drafts(c.step_cost, 1, 1, [candidate])[0]
                 else:
                     candidates.append(candidate)
                     planned.append(req)
             seeded = seeded or _seeded(req)
-        if not worth_drafting(c.step_cost, max(num_tokens, 1), max(num_sampled, 1)):
+        overhead = self.step_overhead.seconds
+        if not worth_drafting(c.step_cost, max(num_tokens, 1), max(num_sampled, 1), overhead):
             return seeded  # (a seeded request keeps proposing and verifying as if alone)
-        for req, k in zip(planned, plan_drafts(c.step_cost, num_tokens, num_sampled, candidates)):
+        for req, k in zip(planned, plan_drafts(c.step_cost, num_tokens, num_sampled, candidates, overhead)):
             req.spec_k = k
         return True
 

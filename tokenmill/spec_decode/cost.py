@@ -4,7 +4,8 @@ A step's time grows with the tokens it computes: t(n). One decode token reads ev
 and is bound by memory bandwidth, so t(1 + k) / t(1) stays near 1 while the matmuls stay
 bandwidth-bound and grows once they turn compute-bound (more drafts, more requests). The engine
 measures t(n) at start, through the same execute_model path a verifying step takes
-(`measure_step_cost`), and keeps it per model, precision and host (`StepCostCache`).
+(`measure_step_cost`), and keeps it per model, precision and host (`StepCostCache`); what the
+engine spends per step besides (`StepOverhead`) is measured as it runs and added to it.
 
 Each request carries an estimate of its per-draft acceptance a (`AcceptanceEstimate`). With
 drafts accepted one after the other, k drafts give 1 + a + a^2 + ... + a^k tokens in
@@ -50,11 +51,8 @@ class StepCost:
             raise ValueError("step sizes must ascend from 1")
         if len(self.seconds) != len(self.sizes) or min(self.seconds) <= 0:
             raise ValueError("one positive time per size")
-        # a larger step never takes less time: noise in a measurement is not a cheaper step
-        running = []
-        for s in self.seconds:
-            running.append(max(s, running[-1]) if running else s)
-        object.__setattr__(self, "seconds", tuple(running))
+        # Not made monotonic: each time is the fastest of its repeats (noise only slows a run),
+        # and a larger step can be faster where the kernels change path at a row count.
 
     def time(self, n: int) -> float:
         """Seconds for a step of n tokens: linear between measured sizes and past the last."""
@@ -102,10 +100,12 @@ class AcceptanceEstimate:
         return min(self.accepted / self.tested, 0.999)
 
 
-def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: Sequence[tuple[float, int]]) -> list[int]:
+def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: Sequence[tuple[float, int]],
+                overhead: float = 0.0) -> list[int]:
     """Drafts to verify for each candidate (acceptance a, at most m drafts) in a step of
     num_tokens tokens without drafts that samples num_sampled requests: the number that
-    maximises expected tokens per second of step time, handed out by expected gain."""
+    maximises expected tokens per second of step time (the forward's t(n) plus the engine's
+    own `overhead` per step), handed out by expected gain."""
     gains: list[float] = []
     owners: list[int] = []
     heap = [(-a, i, 1) for i, (a, m) in enumerate(candidates) if m > 0 and a > 0]
@@ -117,10 +117,10 @@ def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: S
         a, m = candidates[i]
         if j < m:
             heapq.heappush(heap, (-(a ** (j + 1)), i, j + 1))
-    best, best_rate, expected = 0, num_sampled / cost.time(num_tokens), float(num_sampled)
+    best, best_rate, expected = 0, num_sampled / (cost.time(num_tokens) + overhead), float(num_sampled)
     for count, gain in enumerate(gains, 1):
         expected += gain
-        rate = expected / cost.time(num_tokens + count)
+        rate = expected / (cost.time(num_tokens + count) + overhead)
         if rate > best_rate:
             best, best_rate = count, rate
     ks = [0] * len(candidates)
@@ -129,9 +129,31 @@ def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: S
     return ks
 
 
-def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int) -> bool:
+def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int, overhead: float = 0.0) -> bool:
     """Whether even a draft sure to be accepted would pay in such a step."""
-    return num_sampled > 0 and (num_sampled + 1) * cost.time(num_tokens) > num_sampled * cost.time(num_tokens + 1)
+    return num_sampled > 0 and (
+        (num_sampled + 1) * (cost.time(num_tokens) + overhead) > num_sampled * (cost.time(num_tokens + 1) + overhead))
+
+
+class StepOverhead:
+    """What the engine spends per step outside the forward pass (scheduling, sampling's host
+    side, output processing, the gap to the next step while requests run): an exponential
+    average over busy steps, added to t(n) when drafts are planned."""
+
+    __slots__ = ("seconds", "_last_end")
+    WEIGHT = 0.1  # of the newest step
+    MAX_GAP = 0.05  # a longer gap between steps is idleness, not overhead
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._last_end: float | None = None
+
+    def record(self, start: float, forward_seconds: float, end: float) -> None:
+        """One step from `start` to `end`, of which `forward_seconds` in execute_model."""
+        gap = start - self._last_end if self._last_end is not None else 0.0
+        spent = end - start - forward_seconds + (gap if gap < self.MAX_GAP else 0.0)
+        self.seconds += self.WEIGHT * (max(spent, 0.0) - self.seconds)
+        self._last_end = end
 
 
 # --- measuring ------------------------------------------------------------------------------------
