@@ -30,8 +30,8 @@ def test_the_engines_own_overhead_per_step_makes_drafts_cheaper():
     assert plan_drafts(steep, 1, 1, [(0.35, 1)]) == [0]
     # with 10 of overhead per step the draft costs 20% of the step: at a = 0.35 it pays
     assert plan_drafts(steep, 1, 1, [(0.35, 1)], overhead=10.0) == [1]
-    assert not worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1)
-    assert worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1, overhead=20.0)
+    assert not worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1, 1)
+    assert worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1, 1, overhead=20.0)
     over = StepOverhead()
     over.record(start=0.0, forward_seconds=0.008, end=0.010)  # 2 ms outside the forward
     over.record(start=0.011, forward_seconds=0.008, end=0.021)  # and a 1 ms gap before it
@@ -76,8 +76,12 @@ def test_a_compute_bound_step_gets_no_drafts():
     # 32 decoding requests on the compute-bound part: one more token costs 1/35 of the step and
     # brings at most 1/32 more tokens, at a = 0.5 half of that
     assert plan_drafts(FLAT, 32, 32, [(0.5, 4)] * 32) == [0] * 32
-    assert worth_drafting(FLAT, 1, 1)
-    assert not worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1)  # a draft triples the step
+    assert worth_drafting(FLAT, 1, 1, 4)
+    assert not worth_drafting(StepCost((1, 2), (10.0, 30.0)), 1, 1, 4)  # a draft triples the step
+    # one draft does not pay where four do (a kernel that is slow at 2 rows): speculation stays on
+    dip = StepCost((1, 2, 5), (10.0, 22.0, 15.0))
+    assert not worth_drafting(dip, 1, 1, 1) and worth_drafting(dip, 1, 1, 4)
+    assert plan_drafts(dip, 1, 1, [(0.5, 4)]) == [4]
 
 
 def test_cache_round_trip_and_key_mismatch(tmp_path):

@@ -33,7 +33,9 @@ from tokenmill.core.outputs import (
     SchedulerOutput,
 )
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.spec_decode.cost import AcceptanceEstimate, StepCost, StepOverhead, plan_drafts, worth_drafting
+from tokenmill.spec_decode.cost import (
+    MAX_PLANNED_DRAFTS, AcceptanceEstimate, StepCost, StepOverhead, plan_drafts, worth_drafting,
+)
 
 
 class RequestRejectedError(ValueError):
@@ -274,7 +276,8 @@ class Scheduler:
                     planned.append(req)
             seeded = seeded or _seeded(req)
         overhead = self.step_overhead.seconds
-        if not worth_drafting(c.step_cost, max(num_tokens, 1), max(num_sampled, 1), overhead):
+        max_drafts = min(c.num_speculative_tokens * max(num_sampled, 1), MAX_PLANNED_DRAFTS)
+        if not worth_drafting(c.step_cost, max(num_tokens, 1), max(num_sampled, 1), max_drafts, overhead):
             return seeded  # (a seeded request keeps proposing and verifying as if alone)
         for req, k in zip(planned, plan_drafts(c.step_cost, num_tokens, num_sampled, candidates, overhead)):
             req.spec_k = k

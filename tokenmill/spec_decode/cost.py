@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 MEASURED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 MEASURE_CONTEXT = 64  # tokens already in the cache of the measured request
 MEASURE_REPEATS = 3  # the fastest of these counts (a slower run is noise, not cost)
+MAX_PLANNED_DRAFTS = 256  # the most drafts whose worth one step's check weighs
 CACHE_DIR = Path.home() / ".cache" / "tokenmill" / "step-cost"
 
 
@@ -129,10 +130,12 @@ def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: S
     return ks
 
 
-def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int, overhead: float = 0.0) -> bool:
-    """Whether even a draft sure to be accepted would pay in such a step."""
-    return num_sampled > 0 and (
-        (num_sampled + 1) * (cost.time(num_tokens) + overhead) > num_sampled * (cost.time(num_tokens + 1) + overhead))
+def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int, max_drafts: int, overhead: float = 0.0) -> bool:
+    """Whether drafts sure to be accepted would pay in such a step: any count up to max_drafts
+    (one draft may not pay where four do: a kernel can change path at a row count)."""
+    base = cost.time(num_tokens) + overhead
+    return num_sampled > 0 and any(
+        (num_sampled + k) * base > num_sampled * (cost.time(num_tokens + k) + overhead) for k in range(1, max_drafts + 1))
 
 
 class StepOverhead:
