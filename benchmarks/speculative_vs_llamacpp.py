@@ -4,8 +4,9 @@
 Each server is started here, one after the other, and measured on the same tasks:
   tokenmill serve MODEL [--speculative-method M]         for M in `--tokenmill-methods`
   llama-server -m MODEL -t T -np 1 [--spec-type S]        for S in `--llama-spec-types`
-Tasks (`--tasks`), `--num-prompts` chats each, sent one at a time, each twice (the first fills
-the server's prompt cache, the second is measured, as a chat that comes back does):
+Tasks (`--tasks`), `--num-prompts` chats each, sent one at a time, each twice: first for one
+token (it fills the server's prompt cache and leaves no answer for a store of earlier outputs
+to copy), then measured:
   code    rewrite a HumanEval function with type hints (the output repeats the input)
   quote   quote the sentences of a GPL-3 paragraph that mention a topic (summarise with quotes)
   agent   an agent's turns, each a tool-call JSON of the same shape (repeats across requests)
@@ -124,7 +125,7 @@ def measure(url: str, tasks: dict[str, list[list[dict]]], max_tokens: int) -> di
         for task, chats in tasks.items():
             runs = []
             for messages in chats:
-                stream_chat(client, url, model, messages, max_tokens)  # fills the prompt cache
+                stream_chat(client, url, model, messages, 1)  # fills the prompt cache, and no store of outputs
                 runs.append(stream_chat(client, url, model, messages, max_tokens))
             tokens = sum(max(r["completion_tokens"] - 1, 0) for r in runs)
             seconds = sum(r["decode_s"] for r in runs)
