@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -200,6 +201,8 @@ def servers(args) -> list[tuple[str, str, list[str]]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # a SIGTERM unwinds like ^C, so the server being measured is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tasks = task_conversations(args.tasks.split(","), args.num_prompts)
     results = []
     logs = args.output.parent / "speculative_vs_llamacpp_logs"

@@ -31,6 +31,8 @@ def test_the_step_cost_is_measured_once_and_cached(default_model_path, tmp_path,
     with LLM(str(default_model_path), **ENGINE, **SPEC) as llm:
         measured = llm.engine.core.scheduler.config.step_cost
     assert measured.sizes[0] == 1 and 5 in measured.sizes  # one known token + the 4 drafts
+    # and B requests decoding, as many as 256 batched tokens take with 64 in each cache
+    assert measured.decode_sizes == (1, 2, 4) and min(measured.decode_seconds) > 0
     assert min(measured.seconds) > 0 and measured.time(32) > measured.time(1)  # (the fastest of 3 runs each)
     assert len(list(tmp_path.glob("*.json"))) == 1
 

@@ -84,12 +84,29 @@ def test_a_compute_bound_step_gets_no_drafts():
     assert plan_drafts(dip, 1, 1, [(0.5, 4)]) == [4]
 
 
+def test_a_batch_of_decodes_is_priced_on_the_decode_path():
+    # 16 requests decoding cost 1.5 steps of one on the decode path; the same 16 tokens as a
+    # verifying chunk cost 2.8, and 32 cost 4: drafts look cheap against the chunk, not against
+    # the decode-only step they would turn the step into one of
+    cost = StepCost((1, 2, 16, 32), (1.0, 1.5, 2.8, 4.0), (1, 16), (1.0, 1.5))
+    assert cost.decode_time(16) == 1.5 and cost.time(16) == 2.8
+    candidates = [(0.6, 1)] * 16
+    assert plan_drafts(cost, 16, 16, candidates, decode_only=True) == [0] * 16
+    assert sum(plan_drafts(cost, 16, 16, candidates, decode_only=False)) > 0
+    assert not worth_drafting(cost, 16, 16, 64, decode_only=True)
+    # one request: its decode and its chunk are the same step
+    assert plan_drafts(cost, 1, 1, [(0.9, 1)], decode_only=True) == [1]
+
+
 def test_cache_round_trip_and_key_mismatch(tmp_path):
     cache = StepCostCache(tmp_path)
     key = {"model": "m", "dtype": "bfloat16"}
     assert cache.get(key) is None
     cache.put(key, FLAT)
     assert cache.get(key) == FLAT
+    both = StepCost((1, 2), (1.0, 1.5), (1, 4), (1.0, 1.2))
+    cache.put(key, both)
+    assert cache.get(key) == both
     assert cache.get({**key, "dtype": "float32"}) is None
     path = next(tmp_path.glob("*.json"))
     path.write_text("{not json")  # a torn file is a miss

@@ -259,6 +259,7 @@ class Scheduler:
         candidates: list[tuple[float, int]] = []
         planned: list[Request] = []
         seeded = False
+        decode_only = True  # every token a one-token decode: the decode path, until a draft joins
         for req in self.running:
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = min(remaining, budget - num_tokens)
@@ -266,20 +267,22 @@ class Scheduler:
                 break
             num_tokens += num_new
             num_sampled += num_new == remaining
+            decode_only = decode_only and remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens
             req.spec_k = 0
             if remaining == 1 and req.spec_token_ids and req.num_computed_tokens >= req.num_prompt_tokens:
                 candidate = (req.spec_acceptance.value, min(len(req.spec_token_ids), c.num_speculative_tokens))
                 if _seeded(req):  # planned as if alone (no measured overhead either): the same in any batch
-                    req.spec_k = plan_drafts(c.step_cost, 1, 1, [candidate])[0]
+                    req.spec_k = plan_drafts(c.step_cost, 1, 1, [candidate], decode_only=True)[0]
                 else:
                     candidates.append(candidate)
                     planned.append(req)
             seeded = seeded or _seeded(req)
         overhead = self.step_overhead.seconds
         max_drafts = min(c.num_speculative_tokens * max(num_sampled, 1), MAX_PLANNED_DRAFTS)
-        if not worth_drafting(c.step_cost, max(num_tokens, 1), max(num_sampled, 1), max_drafts, overhead):
+        if not worth_drafting(c.step_cost, max(num_tokens, 1), max(num_sampled, 1), max_drafts, overhead, decode_only):
             return seeded  # (a seeded request keeps proposing and verifying as if alone)
-        for req, k in zip(planned, plan_drafts(c.step_cost, num_tokens, num_sampled, candidates, overhead)):
+        plan = plan_drafts(c.step_cost, num_tokens, num_sampled, candidates, overhead, decode_only)
+        for req, k in zip(planned, plan):
             req.spec_k = k
         return True
 

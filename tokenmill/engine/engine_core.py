@@ -18,7 +18,9 @@ from tokenmill.engine.faults import FaultPlan
 from tokenmill.executor import MultiprocExecutor
 from tokenmill.layers.cpu_isa import host_isa
 from tokenmill.models.loader import LoadedCheckpoint
-from tokenmill.spec_decode.cost import MEASURE_CONTEXT, MEASURED_SIZES, StepCost, StepCostCache, measure_step_cost
+from tokenmill.spec_decode.cost import (
+    MEASURE_CONTEXT, MEASURED_BATCHES, MEASURED_SIZES, StepCost, StepCostCache, measure_step_cost,
+)
 from tokenmill.worker.cpu import keep_large_allocations_in_heap
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -108,23 +110,28 @@ class EngineCore:
         context = min(MEASURE_CONTEXT, room // 2)
         limit = min(config.max_num_batched_tokens, room - context, self.max_model_len - context - 1)
         sizes = tuple(sorted({n for n in (*MEASURED_SIZES, 1 + config.num_speculative_tokens) if n <= limit}))
+        per_request = -(-(context + sizes[-1]) // config.block_size)
+        batches = tuple(b for b in MEASURED_BATCHES if b <= min(config.max_num_seqs, self.runner.num_blocks // per_request)
+                        and b * context <= config.max_num_batched_tokens)
         source = checkpoint.source
         key = {
             "model": str(source.resolve()), "bytes": source.stat().st_size if source.is_file() else None,
             "quantization": config.quantization, "dtype": str(self.dtype), "kv_cache_dtype": config.kv_cache_dtype,
             "device": self.device if self.device == "cpu" else torch.cuda.get_device_name(),
             "cpu_isa": host_isa(), "threads": torch.get_num_threads(), "tp": config.tensor_parallel_size,
-            "pp": config.pipeline_parallel_size, "block_size": config.block_size, "sizes": sizes,
+            "pp": config.pipeline_parallel_size, "block_size": config.block_size, "sizes": sizes, "batches": batches,
             "context": context, "version": tokenmill.__version__,
         }
         cache = StepCostCache()
         cost = cache.get(key)
         if cost is None:
             start = time.perf_counter()
-            cost = measure_step_cost(self.executor.execute_model, config.block_size, sizes, context)
+            cost = measure_step_cost(self.executor.execute_model, config.block_size, sizes, batches, context)
             cache.put(key, cost)
-            logger.info("step cost measured in %.1fs: %s", time.perf_counter() - start,
-                        ", ".join(f"t({n}) {s * 1e3:.1f} ms" for n, s in zip(cost.sizes, cost.seconds)))
+            logger.info("step cost measured in %.1fs: one request verifying n tokens %s; B requests decoding %s",
+                        time.perf_counter() - start,
+                        ", ".join(f"t({n}) {s * 1e3:.1f} ms" for n, s in zip(cost.sizes, cost.seconds)),
+                        ", ".join(f"d({b}) {s * 1e3:.1f} ms" for b, s in zip(cost.decode_sizes, cost.decode_seconds)))
         return cost
 
     def check_health(self) -> None:

@@ -31,50 +31,75 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Step sizes measured at start: the verify sizes of one request, then a few batch sizes; the
-# curve is extrapolated linearly past the last one.
+# Step sizes measured at start: one request verifying n tokens, the verify sizes then a few
+# more; and B requests decoding a token each. Each curve is extrapolated linearly past its last.
 MEASURED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+MEASURED_BATCHES = (1, 2, 4, 8, 16, 32)
 MEASURE_CONTEXT = 64  # tokens already in the cache of the measured request
 MEASURE_REPEATS = 3  # the fastest of these counts (a slower run is noise, not cost)
 MAX_PLANNED_DRAFTS = 256  # the most drafts whose worth one step's check weighs
 CACHE_DIR = Path.home() / ".cache" / "tokenmill" / "step-cost"
 
 
+def _interpolate(sizes: Sequence[int], secs: Sequence[float], n: int) -> float:
+    """Linear between measured sizes, and past the last along its last segment."""
+    if n <= sizes[0]:
+        return secs[0]
+    for i in range(1, len(sizes)):
+        if n <= sizes[i]:
+            lo, hi = sizes[i - 1], sizes[i]
+            return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
+    if len(sizes) == 1:
+        return secs[0]
+    slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
+    return secs[-1] + slope * (n - sizes[-1])
+
+
+def _check_curve(sizes: Sequence[int], seconds: Sequence[float]) -> None:
+    if not sizes or sizes[0] != 1 or list(sizes) != sorted(set(sizes)):
+        raise ValueError("step sizes must ascend from 1")
+    if len(seconds) != len(sizes) or min(seconds) <= 0:
+        raise ValueError("one positive time per size")
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Step time by tokens computed, at the measured sizes (ascending, from 1)."""
+    """Step time at measured sizes (ascending, from 1): `seconds`, one request verifying n
+    tokens (the path any step with drafts or prefill chunks takes); `decode_seconds`, B requests
+    decoding one token each (the decode-only path, which batches differently), when measured.
+    Each time is the fastest of its repeats (noise only slows a run) and is kept as measured: a
+    larger step can be faster where the kernels change path at a row count."""
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+    decode_sizes: tuple[int, ...] = ()
+    decode_seconds: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
-            raise ValueError("step sizes must ascend from 1")
-        if len(self.seconds) != len(self.sizes) or min(self.seconds) <= 0:
-            raise ValueError("one positive time per size")
-        # Not made monotonic: each time is the fastest of its repeats (noise only slows a run),
-        # and a larger step can be faster where the kernels change path at a row count.
+        _check_curve(self.sizes, self.seconds)
+        if self.decode_sizes:
+            _check_curve(self.decode_sizes, self.decode_seconds)
 
     def time(self, n: int) -> float:
-        """Seconds for a step of n tokens: linear between measured sizes and past the last."""
-        sizes, secs = self.sizes, self.seconds
-        if n <= sizes[0]:
-            return secs[0]
-        for i in range(1, len(sizes)):
-            if n <= sizes[i]:
-                lo, hi = sizes[i - 1], sizes[i]
-                return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
-        if len(sizes) == 1:
-            return secs[0]
-        slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
-        return secs[-1] + slope * (n - sizes[-1])
+        """Seconds for a step of n tokens with drafts or prefill chunks."""
+        return _interpolate(self.sizes, self.seconds, n)
+
+    def decode_time(self, batch: int) -> float:
+        """Seconds for a step of `batch` requests decoding one token each."""
+        if not self.decode_sizes:
+            return self.time(batch)
+        return _interpolate(self.decode_sizes, self.decode_seconds, batch)
 
     def ratio(self, n: int) -> float:
         """t(n) / t(1)."""
         return self.time(n) / self.seconds[0]
 
     def describe(self, ks: Sequence[int] = (1, 2, 4, 8, 16)) -> str:
-        return ", ".join(f"k={k} {self.ratio(1 + k):.2f}" for k in ks)
+        text = ", ".join(f"k={k} {self.ratio(1 + k):.2f}" for k in ks)
+        if self.decode_sizes:
+            text += "; B requests decoding: " + ", ".join(
+                f"B={b} {self.decode_time(b) / self.seconds[0]:.2f}" for b in self.decode_sizes if b > 1)
+        return text
 
 
 class AcceptanceEstimate:
@@ -102,11 +127,12 @@ class AcceptanceEstimate:
 
 
 def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: Sequence[tuple[float, int]],
-                overhead: float = 0.0) -> list[int]:
+                overhead: float = 0.0, decode_only: bool = False) -> list[int]:
     """Drafts to verify for each candidate (acceptance a, at most m drafts) in a step of
-    num_tokens tokens without drafts that samples num_sampled requests: the number that
-    maximises expected tokens per second of step time (the forward's t(n) plus the engine's
-    own `overhead` per step), handed out by expected gain."""
+    num_tokens tokens without drafts that samples num_sampled requests (`decode_only`: all of
+    them one-token decodes, which run the decode path until a draft joins): the number that
+    maximises expected tokens per second of step time (the forward's plus the engine's own
+    `overhead` per step), handed out by expected gain."""
     gains: list[float] = []
     owners: list[int] = []
     heap = [(-a, i, 1) for i, (a, m) in enumerate(candidates) if m > 0 and a > 0]
@@ -118,7 +144,8 @@ def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: S
         a, m = candidates[i]
         if j < m:
             heapq.heappush(heap, (-(a ** (j + 1)), i, j + 1))
-    best, best_rate, expected = 0, num_sampled / (cost.time(num_tokens) + overhead), float(num_sampled)
+    base = cost.decode_time(num_tokens) if decode_only else cost.time(num_tokens)
+    best, best_rate, expected = 0, num_sampled / (base + overhead), float(num_sampled)
     for count, gain in enumerate(gains, 1):
         expected += gain
         rate = expected / (cost.time(num_tokens + count) + overhead)
@@ -130,10 +157,11 @@ def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: S
     return ks
 
 
-def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int, max_drafts: int, overhead: float = 0.0) -> bool:
+def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int, max_drafts: int, overhead: float = 0.0,
+                   decode_only: bool = False) -> bool:
     """Whether drafts sure to be accepted would pay in such a step: any count up to max_drafts
     (one draft may not pay where four do: a kernel can change path at a row count)."""
-    base = cost.time(num_tokens) + overhead
+    base = (cost.decode_time(num_tokens) if decode_only else cost.time(num_tokens)) + overhead
     return num_sampled > 0 and any(
         (num_sampled + k) * base > num_sampled * (cost.time(num_tokens + k) + overhead) for k in range(1, max_drafts + 1))
 
@@ -162,30 +190,38 @@ class StepOverhead:
 # --- measuring ------------------------------------------------------------------------------------
 
 def measure_step_cost(execute_model: Callable[[SchedulerOutput], object], block_size: int, sizes: Sequence[int],
-                      context: int = MEASURE_CONTEXT, repeats: int = MEASURE_REPEATS) -> StepCost:
-    """Time verifying steps of each size for one request with `context` tokens in its cache:
-    1 known token + n - 1 drafts, greedy, through the runner's own execute_model. Runs before
+                      batches: Sequence[int] = (), context: int = MEASURE_CONTEXT,
+                      repeats: int = MEASURE_REPEATS) -> StepCost:
+    """Time, through the runner's own execute_model, steps of one request with `context`
+    tokens in its cache verifying 1 known token + n - 1 drafts, for each n of `sizes`, and steps
+    of B such requests decoding one token each, for each B of `batches`; greedy. Runs before
     any request, on the first blocks of the cache (nothing holds them yet), and leaves no
     request state behind."""
-    req_id = "step-cost"
-    num_blocks = -(-(context + max(sizes)) // block_size)
+    per_request = -(-(context + max(sizes)) // block_size)
+    ids = [f"step-cost-{i}" for i in range(max(batches, default=1))]
     params = SamplingParams(temperature=0.0, max_tokens=max(sizes) + 1)
-    new = NewRequestData(req_id, [0] * context, context, params, [], list(range(num_blocks)), 0)
-    execute_model(SchedulerOutput([new], [], {req_id: context}, context))  # the prompt, and one token sampled
-    seconds = []
+    new = [NewRequestData(req_id, [0] * context, context, params, [], list(range(i * per_request, (i + 1) * per_request)), 0)
+           for i, req_id in enumerate(ids)]
+    execute_model(SchedulerOutput(new, [], {r: context for r in ids}, context * len(ids)))  # prompts; a token each
+
+    def fastest(step: SchedulerOutput) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            execute_model(step)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
     try:
-        for n in sizes:
-            step = SchedulerOutput([], [CachedRequestData(req_id, [], context)], {req_id: n}, n,
-                                   scheduled_spec_tokens={req_id: [0] * (n - 1)} if n > 1 else {})
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                execute_model(step)
-                times.append(time.perf_counter() - start)
-            seconds.append(min(times))
-    finally:  # gone from the runner as a preempted request goes: no state, nothing proposed from it
-        execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids={req_id}))
-    return StepCost(tuple(sizes), tuple(seconds))
+        first = ids[0]
+        seconds = [fastest(SchedulerOutput([], [CachedRequestData(first, [], context)], {first: n}, n,
+                                           scheduled_spec_tokens={first: [0] * (n - 1)} if n > 1 else {}))
+                   for n in sizes]
+        decode_seconds = [fastest(SchedulerOutput([], [CachedRequestData(r, [], context) for r in ids[:b]],
+                                                  {r: 1 for r in ids[:b]}, b)) for b in batches]
+    finally:  # gone from the runner as preempted requests go: no state, nothing proposed from them
+        execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids=set(ids)))
+    return StepCost(tuple(sizes), tuple(seconds), tuple(batches), tuple(decode_seconds))
 
 
 class StepCostCache:
@@ -204,7 +240,8 @@ class StepCostCache:
             data = json.loads(self._path(key).read_text())
             if data.get("key") != json.loads(json.dumps(key)):  # (as stored: tuples are lists)
                 return None
-            return StepCost(tuple(data["sizes"]), tuple(data["seconds"]))
+            return StepCost(tuple(data["sizes"]), tuple(data["seconds"]), tuple(data.get("decode_sizes", ())),
+                            tuple(data.get("decode_seconds", ())))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -213,7 +250,8 @@ class StepCostCache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "sizes": cost.sizes, "seconds": cost.seconds}))
+            tmp.write_text(json.dumps({"key": key, "sizes": cost.sizes, "seconds": cost.seconds,
+                                       "decode_sizes": cost.decode_sizes, "decode_seconds": cost.decode_seconds}))
             tmp.replace(path)
         except OSError as e:  # a read-only home costs a measurement per start, nothing else
             logger.debug("step cost not cached: %s", e)
