@@ -1,10 +1,13 @@
 """The generated parts of the docs match their sources, and the docs keep to what they describe."""
 
 import argparse
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.scripts import load_script
 
@@ -51,29 +54,73 @@ def test_benchmark_tables_are_generated_from_the_published_results():
         assert m.regenerate(text) == text, f"{doc.name}: run `make docs`"
 
 
-def test_every_published_result_names_its_host_class_and_command():
+def test_every_published_result_is_a_script_report_shown_somewhere():
     m = load_script("bench_tables")
     names = [p.stem for p in sorted(m.PUBLISHED.glob("*.json"))]
     assert names
     shown = "".join(doc.read_text() for doc in m.DOCS)
     for name in names:
-        record = m.load_record(name)  # validates host class, required fields, row widths
+        record = m.load_record(name)  # a headline names a source per row; the others hold the script's report
         assert record["name"] == name
         assert f"<!-- bench-table: {name} -->" in shown, f"{name} is published but shown nowhere"
+        if name.startswith("headline-"):
+            for row in record["rows"]:
+                source = m.load_record(row["source"])
+                assert m.host_class(source["report"]) == record["host_class"]
+                assert m.command(source["report"]).startswith(("python benchmarks/", "tokenmill "))
+        else:
+            assert m.host_class(record["report"]) in m.HOST_CLASSES
+            assert m.rows_of(record), f"{name}: the view shows no row"
+
+
+REPORT = {"benchmark": "decode_latency", "date": "2026-01-01T00:00:00+00:00",
+          "command": "decode_latency.py --configs int8 --llama-bench /opt/lcpp/llama-bench --output /tmp/x.json",
+          "config": {"output_len": 64}, "machine": {"cpu_model": "X", "physical_cores": 2, "torch_threads": 2,
+                                                    "cpu_isa": "avx2", "cpu_isa_detected": "avx512_bf16"},
+          "results": [{"engine": "tokenmill", "decode_tok_s": 89.84, "nested": {"a": 1}},
+                      {"engine": "llama.cpp", "decode_tok_s": 102.2}]}
 
 
 def test_a_script_report_becomes_a_table():
     m = load_script("bench_tables")
-    report = {"benchmark": "decode_latency", "date": "2026-01-01T00:00:00+00:00", "command": "decode_latency.py --configs int8",
-              "config": {}, "machine": {"cpu_model": "X", "physical_cores": 2, "torch_threads": 2, "cpu_isa": "avx2"},
-              "results": [{"engine": "tokenmill", "decode_tok_s": 89.84, "nested": {"a": 1}},
-                          {"engine": "llama.cpp", "decode_tok_s": 102.2}]}
-    record = m.record_from_report(report, "decode_latency-avx2")
-    assert record["host_class"] == "CPU with AVX2"
-    assert record["command"] == "python benchmarks/decode_latency.py --configs int8"
+    record = m.new_record(REPORT, "decode_latency-avx2")
+    assert m.host_class(REPORT) == "CPU with AVX2"
+    assert m.host(REPORT) == "X, 2 cores, 2 torch threads, kernels at avx2 (the CPU has avx512_bf16)"
+    # the output path is the report's own; absolute paths are the measurer's
+    assert m.command(REPORT) == "python benchmarks/decode_latency.py --configs int8 --llama-bench PATH/llama-bench"
     assert record["columns"] == ["engine", "decode_tok_s"]
-    assert record["rows"] == [["tokenmill", "89.84"], ["llama.cpp", "102.2"]]
+    assert m.rows_of(record) == [["tokenmill", "89.84"], ["llama.cpp", "102.2"]]
     assert "| tokenmill | 89.84 |" in m.render(record)
+    assert "measured 2026-01-01" in m.render(record)
+
+
+def test_a_view_computes_its_cells_from_the_report_and_nothing_else():
+    m = load_script("bench_tables")
+    record = {"name": "t", "title": "t", "peers": "p", "report": REPORT, "columns": ["engine", "tok/s", "ratio"],
+              "rows": [{"each": ["{engine}", "**{decode_tok_s:.1f}**", "{decode_tok_s / r['llama.cpp'].decode_tok_s:.2f}x"],
+                        "keys": ["tokenmill"]},
+                       ["{{literal}}", "{config.output_len}", "{max(1, 2) * -3}"]]}
+    assert m.rows_of(record) == [["tokenmill", "**89.8**", "0.88x"], ["{literal}", "64", "-6"]]
+    for bad in ("{r['vllm'].decode_tok_s}", "{__import__('os')}", "{results.__class__}", "{(lambda: 1)()}"):
+        record["rows"] = [[bad, "", ""]]
+        with pytest.raises(m.PublishedError):
+            m.rows_of(record)
+    record["rows"] = [["{engine}"]]  # a name that only an "each" row has
+    with pytest.raises(m.PublishedError, match="engine"):
+        m.rows_of(record)
+
+
+def test_a_hand_typed_table_is_not_a_published_result(tmp_path, monkeypatch):
+    m = load_script("bench_tables")
+    monkeypatch.setattr(m, "PUBLISHED", tmp_path)
+    (tmp_path / "typed.json").write_text(json.dumps({"name": "typed", "title": "t", "peers": "p", "columns": ["a"],
+                                                     "rows": [["1"]], "report": {"results": []}}))
+    with pytest.raises(m.PublishedError, match="publish what a script wrote"):
+        m.load_record("typed")
+    (tmp_path / "headline-x.json").write_text(json.dumps({"name": "headline-x", "title": "t", "host_class": "GPU",
+                                                          "columns": ["a"], "rows": [["typed"]]}))
+    with pytest.raises(m.PublishedError, match="source"):
+        m.load_record("headline-x")
 
 
 def test_the_docs_name_no_work_items():
