@@ -51,7 +51,7 @@ def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
 def server(tmp_path_factory):
     """48 KV blocks of 4 tokens (192 tokens: about 8 requests) for 100 requests: a running request needs a new block every 4
     tokens, so requests are preempted by swap (32 host blocks) and, once the host pool is full,
-    by recompute; n-gram speculation whenever at most 2 run."""
+    by recompute; n-gram speculation as the measured step cost plans it."""
     proc = ServerProcess(MODEL, *BASE_FLAGS, "--block-size", "4", "--num-kv-blocks", "48", "--num-host-kv-blocks", "32",
                          "--max-num-seqs", "48", "--max-waiting-requests", "1000", "--speculative-method", "ngram",
                          log_path=tmp_path_factory.mktemp("storm") / "server.log")
