@@ -176,14 +176,6 @@ class Server:
         self._log.close()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def servers(args) -> list[tuple[str, str, list[str]]]:
     """(engine, variant, command) for every server to measure."""
     out = []
@@ -203,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # a SIGTERM unwinds like ^C, so the server being measured is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.serving import free_port
     tasks = task_conversations(args.tasks.split(","), args.num_prompts)
     results = []
     logs = args.output.parent / "speculative_vs_llamacpp_logs"

@@ -65,6 +65,8 @@ class PublishedError(ValueError):
 # --- templates ---------------------------------------------------------------------------------
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
 def _or_dash(value, spec: str = "") -> str:
     """A value that may be missing: formatted, or an en dash."""
     return "–" if value is None else format(value, spec)
@@ -130,15 +132,20 @@ def _split_spec(field: str) -> tuple[str, str]:
     return field, ""
 
 
+def evaluate(expr: str, names: dict):
+    """The value of one template expression over the report."""
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as e:
+        raise PublishedError(f"{expr!r}: {e.msg}") from None
+    return _eval(tree, names, expr)
+
+
 def fill(template: str, names: dict) -> str:
     """A cell: the template with each {expr[:spec]} replaced by its value from the report."""
     def one(match: re.Match) -> str:
         expr, spec = _split_spec(match[1])
-        try:
-            tree = ast.parse(expr.strip(), mode="eval")
-        except SyntaxError as e:
-            raise PublishedError(f"{expr!r}: {e.msg}") from None
-        value = _eval(tree, names, expr)
+        value = evaluate(expr, names)
         try:
             return format(value, spec)
         except (TypeError, ValueError) as e:
@@ -253,7 +260,7 @@ def rows_of(record: dict) -> list[list[str]]:
         if isinstance(row, dict) and "each" in row:
             # every result, or those named in "keys", in that order, or the items of the list "over" names
             if "over" in row:
-                chosen = _eval(ast.parse(row["over"], mode="eval"), names, row["over"])
+                chosen = evaluate(row["over"], names)
             elif "keys" in row:
                 chosen = [_item(names["r"], k, row["keys"]) for k in row["keys"]]
             else:
@@ -278,8 +285,10 @@ def _table(columns: list[str], rows: list[list[str]], notes: str = "") -> list[s
     return lines + (["", notes] if notes else [])
 
 
-def _command_text(line: str) -> str:
-    return f"`{line}`"
+def _command_cell(record: dict) -> str:
+    """The result's command as code, with what had to be set up first."""
+    setup = f" ({record['setup']})" if record.get("setup") else ""
+    return f"`{command(record['report'])}`{setup}"
 
 
 def render(record: dict) -> str:
@@ -289,7 +298,7 @@ def render(record: dict) -> str:
     notes = fill(record.get("notes", ""), names)
     lines = [
         f"**{fill(record['title'], names)}** — {host_class(report)}: {host(report)}; measured {report['date'][:10]}.",
-        f"Command: {_command_text(command(report))}" + (f" ({record['setup']})" if record.get("setup") else "") + ".",
+        f"Command: {_command_cell(record)}.",
         f"Peers in the same run: {fill(record['peers'], names)}.",
         "",
     ]
@@ -313,8 +322,7 @@ def render_headline(record: dict) -> str:
         if row["source"] == previous:
             cells.append("(same run)")
         else:
-            setup = f" ({source['setup']})" if source.get("setup") else ""
-            cells.append(f"{_command_text(command(source['report']))}{setup}")
+            cells.append(_command_cell(source))
         previous = row["source"]
         rows.append(cells)
         hosts.setdefault(host(source["report"]), set()).add(source["report"]["date"][:10])

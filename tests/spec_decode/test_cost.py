@@ -113,3 +113,20 @@ def test_cache_round_trip_and_key_mismatch(tmp_path):
     assert cache.get(key) is None
     path.write_text(json.dumps({"key": key, "sizes": [1, 2], "seconds": [1.0]}))
     assert cache.get(key) is None
+
+
+def test_weighing_the_curves_corners_is_weighing_every_count():
+    """worth_drafting looks only where the piecewise-linear curve bends: the same answer as
+    trying every draft count, on random curves with dips."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        sizes = sorted({1, *rng.sample(range(2, 40), rng.randint(1, 8))})
+        cost = StepCost(tuple(sizes), tuple(rng.uniform(1.0, 6.0) for _ in sizes),
+                        (1, 8), (rng.uniform(0.5, 2.0), rng.uniform(1.0, 4.0)))
+        n, t, m = rng.randint(1, 30), rng.randint(1, 8), rng.randint(1, 40)
+        over, decode_only = rng.choice((0.0, 0.5)), rng.random() < 0.5
+        base = cost.time_without_drafts(n, decode_only) + over
+        every = any((t + k) * base > t * (cost.time(n + k) + over) for k in range(1, m + 1))
+        assert worth_drafting(cost, n, t, m, over, decode_only) == every

@@ -267,9 +267,10 @@ class Scheduler:
                 break
             num_tokens += num_new
             num_sampled += num_new == remaining
-            decode_only = decode_only and remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+            decoding = remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+            decode_only = decode_only and decoding
             req.spec_k = 0
-            if remaining == 1 and req.spec_token_ids and req.num_computed_tokens >= req.num_prompt_tokens:
+            if decoding and req.spec_token_ids:
                 candidate = (req.spec_acceptance.value, min(len(req.spec_token_ids), c.num_speculative_tokens))
                 if _seeded(req):  # planned as if alone (no measured overhead either): the same in any batch
                     req.spec_k = plan_drafts(c.step_cost, 1, 1, [candidate], decode_only=True)[0]
@@ -330,12 +331,16 @@ class Scheduler:
         self.num_spec_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.spec_accepted_per_position[i] += 1
-        req.spec_acceptance.update(num_drafts, num_accepted)
-        self.spec_acceptance.update(num_drafts, num_accepted)
+        self._record_acceptance(req, num_drafts, num_accepted)
         if self.config.spec_adaptive and self.config.step_cost is None:
             # All accepted: try one more next time; else aim just past what was accepted.
             limit = self.config.num_speculative_tokens
             req.spec_k = min(limit, num_drafts + 1) if num_accepted == num_drafts else max(1, num_accepted + 1)
+
+    def _record_acceptance(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """The request's acceptance estimate, and every request's (a new one's prior)."""
+        req.spec_acceptance.update(num_drafts, num_accepted)
+        self.spec_acceptance.update(num_drafts, num_accepted)
 
     @staticmethod
     def _fork_parent(req: Request) -> Request | None:
@@ -386,9 +391,7 @@ class Scheduler:
                 # Drafts proposed but not verified (not worth it at the estimate): the token the
                 # step produced says whether the first would have been accepted, so a request
                 # whose drafts start to match again is seen to.
-                hit = new_token_ids[0] == req.spec_token_ids[0]
-                req.spec_acceptance.update(1, int(hit))
-                self.spec_acceptance.update(1, int(hit))
+                self._record_acceptance(req, 1, int(new_token_ids[0] == req.spec_token_ids[0]))
             req.num_computed_tokens += num_tokens
             req.spec_token_ids = result.spec_token_ids.get(req_id, [])
             prompt_logprobs = result.prompt_logprobs.get(req_id)

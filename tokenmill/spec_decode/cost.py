@@ -17,6 +17,7 @@ batch 1 and in batches: under load a step is compute-bound and drafts stop payin
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import json
@@ -43,16 +44,11 @@ CACHE_DIR = Path.home() / ".cache" / "tokenmill" / "step-cost"
 
 def _interpolate(sizes: Sequence[int], secs: Sequence[float], n: int) -> float:
     """Linear between measured sizes, and past the last along its last segment."""
-    if n <= sizes[0]:
+    if n <= sizes[0] or len(sizes) == 1:
         return secs[0]
-    for i in range(1, len(sizes)):
-        if n <= sizes[i]:
-            lo, hi = sizes[i - 1], sizes[i]
-            return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
-    if len(sizes) == 1:
-        return secs[0]
-    slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
-    return secs[-1] + slope * (n - sizes[-1])
+    i = min(bisect.bisect_left(sizes, n), len(sizes) - 1)  # the segment ending at the first size >= n
+    lo, hi = sizes[i - 1], sizes[i]
+    return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
 
 
 def _check_curve(sizes: Sequence[int], seconds: Sequence[float]) -> None:
@@ -89,6 +85,11 @@ class StepCost:
         if not self.decode_sizes:
             return self.time(batch)
         return _interpolate(self.decode_sizes, self.decode_seconds, batch)
+
+    def time_without_drafts(self, num_tokens: int, decode_only: bool) -> float:
+        """A step of num_tokens tokens as scheduled before drafts join it: on the decode path
+        when every token is a one-token decode."""
+        return self.decode_time(num_tokens) if decode_only else self.time(num_tokens)
 
     def ratio(self, n: int) -> float:
         """t(n) / t(1)."""
@@ -144,7 +145,7 @@ def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: S
         a, m = candidates[i]
         if j < m:
             heapq.heappush(heap, (-(a ** (j + 1)), i, j + 1))
-    base = cost.decode_time(num_tokens) if decode_only else cost.time(num_tokens)
+    base = cost.time_without_drafts(num_tokens, decode_only)
     best, best_rate, expected = 0, num_sampled / (base + overhead), float(num_sampled)
     for count, gain in enumerate(gains, 1):
         expected += gain
@@ -160,10 +161,14 @@ def plan_drafts(cost: StepCost, num_tokens: int, num_sampled: int, candidates: S
 def worth_drafting(cost: StepCost, num_tokens: int, num_sampled: int, max_drafts: int, overhead: float = 0.0,
                    decode_only: bool = False) -> bool:
     """Whether drafts sure to be accepted would pay in such a step: any count up to max_drafts
-    (one draft may not pay where four do: a kernel can change path at a row count)."""
-    base = (cost.decode_time(num_tokens) if decode_only else cost.time(num_tokens)) + overhead
-    return num_sampled > 0 and any(
-        (num_sampled + k) * base > num_sampled * (cost.time(num_tokens + k) + overhead) for k in range(1, max_drafts + 1))
+    (one draft may not pay where four do: a kernel can change path at a row count). Along one
+    linear piece of the curve (T + k) / (t(n + k) + overhead) only rises or only falls, so the
+    counts weighed are the pieces' ends: 1, max_drafts, and those that reach a measured size."""
+    if num_sampled <= 0 or max_drafts < 1:
+        return False
+    base = cost.time_without_drafts(num_tokens, decode_only) + overhead
+    counts = {1, max_drafts} | {s - num_tokens for s in cost.sizes if num_tokens < s < num_tokens + max_drafts}
+    return any((num_sampled + k) * base > num_sampled * (cost.time(num_tokens + k) + overhead) for k in counts)
 
 
 class StepOverhead:
