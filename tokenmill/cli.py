@@ -11,6 +11,7 @@ import time
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.args import add_server_args, server_config_from_args
 from tokenmill.quantization.cli import add_quantize_parser
+from tokenmill.sparsity.cli import add_calibrate_sparsity_parser
 
 __all__ = ["add_engine_args", "build_parser", "engine_config_from_args", "main"]
 
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_quantize_parser(sub)  # config only; the command imports the rest when run
+    add_calibrate_sparsity_parser(sub)  # stdlib only; the command imports the rest when run
     kernels = sub.add_parser("build-kernels", help="compile the CPU kernels into the installed package (make setup runs "
                              "it), so that an engine starts without compiling them")
     kernels.add_argument("--isa", action="append", choices=["avx2", "avx512", "avx512_vnni", "avx512_bf16"],

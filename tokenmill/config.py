@@ -24,6 +24,7 @@ INT4_GROUP_SIZES = (32, 64, 128)
 QUANTIZATION_ALGORITHMS = {"rtn": QUANTIZATION_METHODS, "awq": ("int4",), "gptq": ("int4",), "smoothquant": ("w8a8",)}
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8")  # kv_quant implements int8 / fp8; float16: a float32 model's K/V in half the bytes
+MAX_ACTIVATION_SPARSITY = 0.95  # the largest sparsity a thresholds file is calibrated for (sparsity/thresholds.py)
 CPU_KV_CACHE_MEMORY_GB = 2.0  # the KV-cache budget on CPU when kv_cache_memory_gb is not given
 
 
@@ -140,6 +141,16 @@ class EngineConfig:
     # while more requests than that are running or waiting.
     speculative_adaptive: bool = True
     speculative_max_running: int | None = None
+    # Activation sparsity (TEAL, training-free; layers/sparsity.py): on decode steps, the entries
+    # of each decoder layer's linear inputs below a per-layer threshold in magnitude are set to
+    # zero, the thresholds those that zero this share of the entries in calibration (0 = off).
+    # They come from activation_sparsity_file, else from the file `tokenmill calibrate-sparsity`
+    # wrote for this model (sparsity/thresholds.py says where the engine looks). Prefill stays
+    # dense unless activation_sparsity_prefill (accuracy measurements: every scored prompt token
+    # sparsified).
+    activation_sparsity: float = 0.0
+    activation_sparsity_file: str | None = None
+    activation_sparsity_prefill: bool = False
     # One model over several ranks (executor/, distributed/): tensor parallelism splits every
     # layer's heads and MLP over tensor_parallel_size ranks (one all-reduce per sublayer),
     # pipeline parallelism its layers into pipeline_parallel_size stages (micro-batches in
@@ -213,6 +224,8 @@ class EngineConfig:
         _check_min("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
         if self.speculative_max_running is not None:
             _check_min("speculative_max_running", self.speculative_max_running, 1)
+        if not (_is_number(self.activation_sparsity) and 0 <= self.activation_sparsity <= MAX_ACTIVATION_SPARSITY):
+            raise ConfigError("activation_sparsity", f"must be in [0, {MAX_ACTIVATION_SPARSITY}], got {self.activation_sparsity!r}")
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_min("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_min("nnodes", self.nnodes, 1)
@@ -226,6 +239,9 @@ class EngineConfig:
         if self.world_size > 1 and self.quantization_algorithm != "rtn":
             raise ConfigError("quantization_algorithm", f"{self.quantization_algorithm} calibrates one process's model; "
                               "a model split over ranks takes rtn")
+        if self.world_size > 1 and self.activation_sparsity > 0:
+            raise ConfigError("activation_sparsity", "the thresholds apply to one process's model; a model split over "
+                              "ranks runs dense (activation_sparsity 0)")
         if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
             raise ConfigError("master_port", f"must be a TCP port 1..65535 or None, got {self.master_port!r}")
         if self.block_size & (self.block_size - 1):

@@ -11,7 +11,7 @@ import os
 
 from tokenmill.config import (
     ATTENTION_BACKENDS, CPU_KV_CACHE_MEMORY_GB, DEVICES, DTYPES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_ALGORITHMS,
-    LM_HEAD_CHOICES, QUANTIZATION_CHOICES, SPECULATIVE_METHODS,
+    LM_HEAD_CHOICES, MAX_ACTIVATION_SPARSITY, QUANTIZATION_CHOICES, SPECULATIVE_METHODS,
     EngineConfig,
 )
 from tokenmill.engine.faults import FAULT_ENV
@@ -69,6 +69,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="how --quantization chooses the codes: rtn (round-to-nearest), awq or gptq (int4, calibrated), "
                              "smoothquant (w8a8, calibrated); calibration runs at start-up (default: rtn)")
     add_calibration_args(parser)
+    parser.add_argument("--activation-sparsity", type=float, default=d.activation_sparsity, metavar="S",
+                        help="on decode steps, set to zero the entries of each decoder layer's linear inputs (q/k/v, "
+                             "o, gate/up, down) below a per-layer threshold in magnitude, the thresholds those that "
+                             f"zeroed a share S in [0, {MAX_ACTIVATION_SPARSITY}] of the entries in calibration (TEAL, "
+                             "training-free); prefill stays dense. Needs the model's thresholds file (`tokenmill "
+                             "calibrate-sparsity MODEL`). Changes the output; no speed-up yet: the matmuls still read "
+                             "every weight (default: 0 = off)")
+    parser.add_argument("--activation-sparsity-file", default=d.activation_sparsity_file, metavar="FILE",
+                        help="the thresholds file for --activation-sparsity (default: the one found beside the model "
+                             "or under ~/.cache/tokenmill/sparsity/)")
+    parser.add_argument("--activation-sparsity-prefill", action="store_true",
+                        help="with --activation-sparsity, threshold prefill tokens too (accuracy measurements: every "
+                             "scored prompt token of a perplexity is then sparsified)")
     parser.add_argument("--num-threads", type=int, default=d.num_threads,
                         help="CPU threads for torch (default: number of physical cores)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,

@@ -163,6 +163,36 @@ def test_qwen2_biases_fp32_and_int4_input_scales(tiny_qwen2_dir):
     assert_stack_matches_python(runner, [2, 19, 50])
 
 
+def step_hidden(runner, seq_lens, prefill=()):
+    """The final hidden states of a model_step through the runner's model as it is configured."""
+    model = runner.model
+    input_ids, positions, caches, layout = model_step(runner, seq_lens, prefill=prefill)
+    with torch.inference_mode():
+        return model(input_ids, positions, [tuple(t.clone() for t in layer) for layer in caches],
+                     model.attn_backend.build_metadata(layout, "cpu"))
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("prefill_too", [False, True], ids=["decodes", "every_row"])
+def test_activation_sparsity(bf16_runner, monkeypatch, prefill_too):
+    """With activation-sparsity thresholds the stack still matches the Python layers bit for bit,
+    on decode-only steps and on steps with prefill chunks; the thresholds change the decodes'
+    hidden states and, unless prefill is sparsified too, nothing else."""
+    model = bf16_runner.model
+    monkeypatch.setattr(model, "sparsity_thresholds", None)
+    monkeypatch.setattr(model, "sparsify_prefill", False)
+    seq_lens, prefill = PREFILL_STEPS[1]
+    dense = step_hidden(bf16_runner, seq_lens, prefill)
+    thresholds = torch.tensor([0.05, 0.02, 0.1, 0.02]).repeat(len(model.layers), 1)
+    model.enable_activation_sparsity(thresholds, prefill=prefill_too)
+    assert_stack_matches_python(bf16_runner, [1, 16, 17, 90, 200])
+    assert_stack_matches_python(bf16_runner, seq_lens, prefill)
+    sparse = step_hidden(bf16_runner, seq_lens, prefill)
+    decodes = len(seq_lens)
+    assert not torch.equal(sparse[:decodes], dense[:decodes])
+    assert torch.equal(sparse[decodes:], dense[decodes:]) != prefill_too
+
+
 @needs_prefill_kernel
 def test_used_for_every_step_in_bf16(bf16_llm, monkeypatch):
     model = bf16_llm.engine.core.runner.model

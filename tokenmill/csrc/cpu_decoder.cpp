@@ -9,13 +9,16 @@
 // few-row and many-row kernels of cpu_gemv.cpp; the CPU kernels of cpu_kernels.cpp; silu and
 // mul), so its hidden states are bit-identical to LlamaForCausalLM's layer loop; the one fusion,
 // each residual add with the RMSNorm after it (add_rms_norm), rounds the sum first as
-// `x + delta` does. Python keeps the embedding lookup and the final norm.
+// `x + delta` does. Python keeps the embedding lookup and the final norm. With activation
+// sparsity, each linear's input is thresholded as layers/sparsity.py's sparsify does, with the
+// same ops; without it no op is added.
 #include "cpu_kernels.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/abs.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/silu.h>
@@ -140,6 +143,14 @@ struct Linear {
   }
 };
 
+// layers/sparsity.py's sparsify: x's first `rows` rows with the entries whose magnitude is below
+// `threshold` (0-dim) set to zero.
+at::Tensor sparsify(const at::Tensor& x, const at::Tensor& threshold, int64_t rows) {
+  if (rows >= x.size(0)) return x.masked_fill(at::abs(x) < threshold, 0);
+  const at::Tensor head = x.narrow(0, 0, rows);
+  return at::cat({head.masked_fill(at::abs(head) < threshold, 0), x.narrow(0, rows, x.size(0) - rows)});
+}
+
 struct Layer {
   at::Tensor input_norm, post_norm;  // RMSNorm weights
   Linear qkv, o, gate_up, down;
@@ -169,15 +180,22 @@ class DecoderStack {
   // block_tables [num_decodes, width] int32 and seq_lens [num_decodes] int32 (none: no decodes);
   // kv_caches: per layer (key, value) or (key codes, value codes, key scales, value scales);
   // prefill: the chunks' (block_tables, seq_lens, query_lens) as paged_prefill_attention takes
-  // them (none: no chunks). Returns the last layer's output (before the final norm).
+  // them (none: no chunks); thresholds: activation sparsity's [layers, 4] float32 thresholds (q/k/v,
+  // o, gate/up, down inputs) applied to the first sparse_rows tokens (none or 0: dense). Returns
+  // the last layer's output (before the final norm).
   at::Tensor forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& block_tables,
                      const c10::optional<at::Tensor>& seq_lens, const std::vector<std::vector<at::Tensor>>& kv_caches,
-                     const c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>>& prefill) const {
+                     const c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>>& prefill,
+                     const c10::optional<at::Tensor>& thresholds, int64_t sparse_rows) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     TORCH_CHECK(block_tables.has_value() == seq_lens.has_value(), "block_tables and seq_lens: both or neither");
     const int64_t n = x_in.size(0), decodes = block_tables ? block_tables->size(0) : 0;
     TORCH_CHECK(prefill || decodes == n, "tokens past the decodes need the prefill chunks' tables");
+    const bool sparse = thresholds.has_value() && sparse_rows > 0;
+    TORCH_CHECK(!sparse || (thresholds->dim() == 2 && thresholds->size(0) == static_cast<int64_t>(layers_.size()) &&
+                            thresholds->size(1) == 4 && sparse_rows <= n),
+                "thresholds are [layers, 4] and sparse_rows at most the step's tokens");
     at::Tensor x = x_in, h, delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -191,7 +209,11 @@ class DecoderStack {
         std::tie(x, h) = add_rms_norm(x, delta, layer.input_norm, eps_);
       }
       // LlamaAttention.forward, through TorchAttentionBackend's kernels
-      const at::Tensor qkv = layer.qkv(h);
+      // layers/sparsity.py's input order: q/k/v, o, gate/up, down
+      const auto in = [&](const at::Tensor& t, int64_t which) {
+        return sparse ? sparsify(t, (*thresholds)[static_cast<int64_t>(i)][which], sparse_rows) : t;
+      };
+      const at::Tensor qkv = layer.qkv(in(h, 0));
       const at::Tensor qk = rope_write_kv(qkv, cos, sin, slot_mapping, cache[0], cache[1], num_heads_, num_kv_heads_,
                                           ks, vs);
       at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
@@ -210,11 +232,12 @@ class DecoderStack {
                                 tables, lens, query_lens, scale_, ks, vs, chunk_qk.narrow(1, num_heads_, num_kv_heads_),
                                 values);
       }
-      const at::Tensor o = layer.o(attn.view({n, num_heads_ * head_dim_}));
+      const at::Tensor o = layer.o(in(attn.view({n, num_heads_ * head_dim_}), 1));
       std::tie(x, h) = add_rms_norm(x, o, layer.post_norm, eps_);
       // LlamaMLP.forward
-      const at::Tensor gate_up = layer.gate_up(h);
-      delta = layer.down(at::silu(gate_up.narrow(1, 0, intermediate_)) * gate_up.narrow(1, intermediate_, intermediate_));
+      const at::Tensor gate_up = layer.gate_up(in(h, 2));
+      delta = layer.down(
+          in(at::silu(gate_up.narrow(1, 0, intermediate_)) * gate_up.narrow(1, intermediate_, intermediate_), 3));
     }
     return layers_.empty() ? x : x + delta;
   }
@@ -235,5 +258,5 @@ void bind_decoder_stack(py::module& m) {
            py::arg("intermediate_size"), py::arg("scale"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("kv_caches"), py::arg("prefill") = py::none(),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("thresholds") = py::none(), py::arg("sparse_rows") = 0, py::call_guard<py::gil_scoped_release>());
 }

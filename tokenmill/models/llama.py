@@ -21,6 +21,7 @@ from torch import nn
 from tokenmill.layers.attention import AttentionBackend, prefill_kernel_takes
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.sparsity import DOWN, GATE_UP, LINEAR_INPUTS, O, QKV, SparseInputs
 from tokenmill.models.loader import ModelArchConfig
 
 KVCache = tuple[torch.Tensor, ...]  # (key, value), or 4 tensors when quantized: layers/attention/backend.py
@@ -55,10 +56,11 @@ class LlamaAttention(nn.Module):
         # `rotary.apply` and `quantize_kv` do.
         self.kernel = cpu_kernels
 
-    def forward(self, cos_sins, x, kv_cache: KVCache, meta) -> torch.Tensor:
+    def forward(self, cos_sins, x, kv_cache: KVCache, meta, sparse: SparseInputs | None = None) -> torch.Tensor:
+        """sparse: the layer's activation sparsity this step (layers/sparsity.py), None: dense."""
         n = x.shape[0]
         cos_sin = cos_sins[self.rope_table]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x if sparse is None else sparse(x, QKV))
         if self.q_norm is not None:
             q_end, k_end = self.q_size, self.q_size + self.kv_size
             q = self.q_norm(qkv[:, :q_end].view(n, self.num_heads, self.head_dim))
@@ -74,7 +76,8 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         extra = {} if self.window is None and self.softcap is None else {"window": self.window, "softcap": self.softcap}
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_written=fused, **extra)  # [n, num_heads, head_dim]
-        out = self.o_proj(o.reshape(n, self.q_size))
+        o = o.reshape(n, self.q_size)
+        out = self.o_proj(o if sparse is None else sparse(o, O))
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -94,9 +97,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
         self.act = activation(config.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, sparse: SparseInputs | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x if sparse is None else sparse(x, GATE_UP)).split(self.intermediate_size, dim=-1)
+        h = self.act(gate) * up
+        out = self.down_proj(h if sparse is None else sparse(h, DOWN))
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -159,12 +163,15 @@ class LlamaDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, cpu_kernels)
         self.mlp = MoEMLP(config) if config.num_experts else LlamaMLP(config, reduce=reduce)
 
-    def forward(self, cos_sins, x, kv_cache: KVCache, meta) -> torch.Tensor:
+    def forward(self, cos_sins, x, kv_cache: KVCache, meta, sparse: SparseInputs | None = None) -> torch.Tensor:
+        """sparse: the layer's activation sparsity this step, None: dense (always for experts:
+        enable_activation_sparsity refuses them)."""
+        mlp_args = () if sparse is None else (sparse,)
         if self.pre_feedforward_layernorm is not None:
-            x = x + self.post_attention_layernorm(self.self_attn(cos_sins, self.input_layernorm(x), kv_cache, meta))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(cos_sins, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.post_attention_layernorm(self.self_attn(cos_sins, self.input_layernorm(x), kv_cache, meta, sparse))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), *mlp_args))
+        x = x + self.self_attn(cos_sins, self.input_layernorm(x), kv_cache, meta, sparse)
+        return x + self.mlp(self.post_attention_layernorm(x), *mlp_args)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -213,6 +220,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The compiled DecoderStack (enable_cpu_decoder) for the steps it takes (_stack_takes), or None.
         self.cpu_decoder = None
+        # Activation sparsity (enable_activation_sparsity): [num_layers, 4] float32 thresholds, or None.
+        self.sparsity_thresholds: torch.Tensor | None = None
+        self.sparsify_prefill = False
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns the final hidden states [num_tokens, hidden]."""
@@ -220,13 +230,37 @@ class LlamaForCausalLM(nn.Module):
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta) -> torch.Tensor:
         """Every decoder layer of this model (of this pipeline stage) over x [num_tokens, hidden]."""
+        rows = self.sparse_rows(x.shape[0], meta)
         if self.cpu_decoder is not None and self._stack_takes(meta, x.dtype, kv_caches):
+            sparse = (self.sparsity_thresholds, rows) if rows else ()
             return self.cpu_decoder.forward(x, *self.rotary.lookup(positions), meta.slot_mapping, meta.decode_block_tables,
-                                            meta.decode_seq_lens, kv_caches, meta.prefill_kernel_args)
+                                            meta.decode_seq_lens, kv_caches, meta.prefill_kernel_args, *sparse)
         cos_sins = self.rope_rows(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(cos_sins, x, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(cos_sins, x, kv_cache, meta, SparseInputs(self.sparsity_thresholds[i], rows) if rows else None)
         return x
+
+    def sparse_rows(self, num_tokens: int, meta) -> int:
+        """How many of the step's first tokens have their linears' inputs thresholded: none without
+        activation sparsity, every token when prefill is sparsified too, else the decodes (first
+        in the flat batch; a speculative verification's tokens are a chunk, dense)."""
+        if self.sparsity_thresholds is None:
+            return 0
+        return num_tokens if self.sparsify_prefill else meta.num_decodes
+
+    def enable_activation_sparsity(self, thresholds: torch.Tensor, prefill: bool = False) -> None:
+        """Threshold the inputs of every decoder layer's linears (layers/sparsity.py) from now on:
+        thresholds [num_layers, 4] in LINEAR_INPUTS order (q/k/v, o, gate/up, down), a decode step's
+        rows only, or every row with `prefill` (accuracy measurements: every scored prompt token
+        sparsified). Both the Python layers and the DecoderStack apply them. Raises ValueError for
+        experts, whose MLP takes no thresholds, and for a thresholds tensor of another shape."""
+        if self.config.num_experts:
+            raise ValueError("activation sparsity: not for mixtures of experts (their MLP takes no thresholds)")
+        shape = (len(self.layers), len(LINEAR_INPUTS))
+        if tuple(thresholds.shape) != shape:
+            raise ValueError(f"activation sparsity: thresholds of shape {tuple(thresholds.shape)}, expected {shape}")
+        self.sparsity_thresholds = thresholds.to(device=self.embed_tokens.weight.device, dtype=torch.float32)
+        self.sparsify_prefill = prefill
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first layer's input [num_tokens, hidden]. Split by vocabulary, each rank looks up the

@@ -132,7 +132,7 @@ def collect_stats(model: nn.Module, sequences: list[list[int]], names: list[str]
         if shares[-1] and sum(cost[n] for n in shares[-1]) + cost[name] > max_stats_gb * 2**30:
             shares.append([])
         shares[-1].append(name)
-    batches = _batches(sequences, batch_tokens)
+    batches = token_batches(sequences, batch_tokens)
     stats: dict[str, LinearStats] = {}
     for i, share in enumerate(shares):
         if len(shares) > 1:
@@ -143,7 +143,7 @@ def collect_stats(model: nn.Module, sequences: list[list[int]], names: list[str]
         hooks = [modules[name].register_forward_pre_hook(lambda _m, args, acc=accs[name]: acc.add(args[0])) for name in share]
         try:
             for batch in batches:
-                _prefill(model, batch)
+                prefill_forward(model, batch)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -184,7 +184,7 @@ def quantize_sequentially(model: nn.Module, sequences: list[list[int]], names: l
     missed = wanted - {f"layers.{i}.{n}" for i, layer in enumerate(model.layers) for n, _ in layer.named_modules()}
     if missed:  # before any forward: the walk below would pass over them
         raise ValueError(f"quantize_sequentially: not linear layers of the decoder layers: {sorted(missed)[:4]}")
-    batches = [_Batch(model, b) for b in _batches(sequences, batch_tokens)]
+    batches = [_Batch(model, b) for b in token_batches(sequences, batch_tokens)]
     per_batch = math.ceil(sample_rows / len(batches))
     for index, layer in enumerate(model.layers):
         prefix = f"layers.{index}."
@@ -214,7 +214,8 @@ def quantize_sequentially(model: nn.Module, sequences: list[list[int]], names: l
             batch.x = batch.run(layer)
 
 
-def _batches(sequences: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:
+def token_batches(sequences: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:
+    """`sequences` in order, in batches of at most `batch_tokens` tokens (a longer sequence alone)."""
     batches: list[list[list[int]]] = [[]]
     for seq in sequences:
         if batches[-1] and sum(map(len, batches[-1])) + len(seq) > batch_tokens:
@@ -223,7 +224,7 @@ def _batches(sequences: list[list[int]], batch_tokens: int) -> list[list[list[in
     return batches
 
 
-def _prefill(model: nn.Module, sequences: list[list[int]], block_size: int = 16) -> None:
+def prefill_forward(model: nn.Module, sequences: list[list[int]], block_size: int = 16) -> None:
     """One forward over whole sequences, each attending only to itself (a scratch KV cache)."""
     input_ids, positions, meta, caches = _scratch_prefill(model, sequences, block_size, model.config.num_hidden_layers)
     model(input_ids, positions, caches, meta)

@@ -150,8 +150,12 @@ class ModelRunner:
             if self.dtype == torch.bfloat16 and not native_bf16(isa):
                 logger.warning("dtype bfloat16 at CPU level %s (no native bf16): it runs, many times slower than "
                                "float32 (dtype auto)", isa)
+        # Activation sparsity's thresholds, read (and checked against the checkpoint) before the weights load.
+        sparsity = self._activation_thresholds(config, checkpoint) if config.activation_sparsity > 0 else None
         t0 = time.perf_counter()
         self.model = self._load_model(checkpoint, config, max_model_len)
+        if sparsity is not None:  # the target's linears only (not a draft model's)
+            self.model.enable_activation_sparsity(sparsity, config.activation_sparsity_prefill)
         # Speculative decoding with a draft model: its own KV cache, under the same block
         # tables as the target's (same block count and size, its own layer shapes), so every
         # slot the scheduler hands out holds both models' K/V for that token.
@@ -226,6 +230,19 @@ class ModelRunner:
             tensors = quantized_tensors(checkpoint, qconfig, self.device, torch.float32)
         load_quantized_weights(model, tensors, qconfig, self.device, self.dtype, self.cpu_kernels)
         return model.eval()
+
+    @staticmethod
+    def _activation_thresholds(config: EngineConfig, checkpoint: LoadedCheckpoint) -> torch.Tensor:
+        """[num_layers, 4] thresholds for config.activation_sparsity (models/llama.py:
+        enable_activation_sparsity), from the model's thresholds file (sparsity/thresholds.py), which
+        must have been calibrated for this checkpoint."""
+        from tokenmill.sparsity.thresholds import find_thresholds, load_thresholds, model_identity
+
+        identity = model_identity(checkpoint.source, checkpoint.config)
+        table = load_thresholds(find_thresholds(checkpoint.source, identity, config.activation_sparsity_file), identity)
+        logger.info("activation sparsity %g on %s steps, thresholds from %s", config.activation_sparsity,
+                    "all" if config.activation_sparsity_prefill else "decode", table.path)
+        return torch.tensor(table.at(config.activation_sparsity))
 
     def _load_draft(self, config: EngineConfig, target: LoadedCheckpoint, max_model_len: int):
         draft = load_checkpoint(resolve_model(config.draft_model))
