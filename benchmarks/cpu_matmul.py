@@ -13,7 +13,6 @@ and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from tokenmill.layers import cpu_kernels
 from tokenmill.layers.cpu_isa import host_isa
 from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
 from tokenmill.quantization.formats import dequantize_record, record_from_rtn
+
+from common import RESULTS_DIR, write_report
 
 SHAPES = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
 
@@ -42,7 +43,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts, comma-separated")
     parser.add_argument("--layers", type=int, default=30, help="copies of the four matrices (default 30)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "cpu_matmul.json")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "cpu_matmul.json")
     args = parser.parse_args()
     isa = args.isa or host_isa()
     kernels = cpu_kernels.load(isa)
@@ -98,9 +99,8 @@ def main() -> None:
     if rows_out and "weight_gb_per_s" in rows_out[0]:
         print("weight bytes read per second at 1 row (GB/s): "
               + ", ".join(f"{k} {v}" for k, v in rows_out[0]["weight_gb_per_s"].items()))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"isa": isa, "host_isa": host_isa(), "shapes": SHAPES, "layers": args.layers, "results": rows_out}, indent=1))
-    print(f"wrote {args.output}")
+    write_report(args.output, "cpu_matmul", {"isa": isa, "host_isa": host_isa(), "shapes": SHAPES, "layers": args.layers,
+                                             "repeats": args.repeats}, rows_out)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
+
+from common import RESULTS_DIR, write_report
 
 from tokenmill import LLM, SamplingParams
 
@@ -34,6 +37,15 @@ CONFIGS = {
     "int4-as-stored": dict(dtype="bfloat16", quantization="auto"),  # the GGUF file's Q4_1 codes
     "int8": dict(dtype="bfloat16", quantization="int8"),
 }
+SETTINGS = {  # each config as the flags a user would give
+    "fp32": "fp32, CPU kernels (`--dtype float32 --quantization none`)",
+    "fp32-no-kernels": "fp32, PyTorch ops (`--no-cpu-kernels`)",
+    "bf16": "bf16, CPU kernels (`--dtype bfloat16 --quantization none`)",
+    "bf16-no-kernels": "bf16, PyTorch ops",
+    "bf16-int8-kv": "bf16, int8 KV cache (`--kv-cache-dtype int8`)",
+    "int4-as-stored": "int4 as stored in the GGUF file (`--quantization auto`, the default)",
+    "int8": "int8 weights (`--quantization int8`)",
+}
 
 
 def measure(name: str, max_tokens: int) -> dict:
@@ -48,19 +60,22 @@ def measure(name: str, max_tokens: int) -> dict:
     together = {p: o.outputs[0].token_ids for p, o in zip(order, llm.generate(order, params))}
     diverged = [next(i for i, (a, b) in enumerate(zip(alone[p], together[p])) if a != b)
                 for p in PROMPTS if alone[p] != together[p]]
-    return {"config": name, "prompts": len(PROMPTS), "max_tokens": max_tokens, "differ": len(diverged),
-            "first_divergence": sorted(diverged), "seconds": round(time.monotonic() - t0, 1)}
+    return {"config": name, "setting": SETTINGS[name], "prompts": len(PROMPTS), "max_tokens": max_tokens, "differ": len(diverged),
+            "first_divergence": sorted(diverged),
+            "first_differing_tokens": ", ".join(str(i + 1) for i in sorted(diverged)), "seconds": round(time.monotonic() - t0, 1)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "isolation.json", help="JSON report path")
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"# host: {cpu}, avx512_bf16: {'avx512_bf16' in open('/proc/cpuinfo').read()}")
+    results = []
     for name in args.configs.split(","):
-        print(json.dumps(measure(name, args.max_tokens)), flush=True)
+        results.append(measure(name, args.max_tokens))
+        print(json.dumps(results[-1]), flush=True)
+    write_report(args.output, "isolation", {"configs": args.configs, "max_tokens": args.max_tokens}, results)
 
 
 if __name__ == "__main__":

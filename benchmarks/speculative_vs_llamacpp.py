@@ -1,12 +1,15 @@
 #!/usr/bin/env python
 """Speculative decoding against llama.cpp's, over HTTP, on the same GGUF, batch 1, greedy.
 
-Each server is started here, one after the other, and measured on the same tasks:
+Every server is started here and measured on the same tasks:
   tokenmill serve MODEL [--speculative-method M]         for M in `--tokenmill-methods`
   llama-server -m MODEL -t T -np 1 [--spec-type S]        for S in `--llama-spec-types`
-Tasks (`--tasks`), `--num-prompts` chats each, sent one at a time, each twice: first for one
-token (it fills the server's prompt cache and leaves no answer for a store of earlier outputs
-to copy), then measured:
+All servers run at once, idle but for the one being asked, and each chat goes to every server
+in turn before the next chat, so a drift of the host's speed (tens of percent within the hour on
+a shared 2-core host) falls on every server alike (`--sequential`: one server at a time, for a
+host without the memory for all of them). Tasks (`--tasks`), `--num-prompts` chats each, sent one
+at a time, each twice: first for one token (it fills the server's prompt cache and leaves no
+answer for a store of earlier outputs to copy), then measured:
   code    rewrite a HumanEval function with type hints (the output repeats the input)
   quote   quote the sentences of a GPL-3 paragraph that mention a topic (summarise with quotes)
   agent   an agent's turns, each a tool-call JSON of the same shape (repeats across requests)
@@ -23,6 +26,7 @@ llama-server's timings.draft_n / draft_n_accepted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -62,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request at most (EOS ends it)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t (tokenmill uses as many)")
     p.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for a server's /health")
+    p.add_argument("--sequential", action="store_true",
+                   help="start and measure one server at a time (less memory; host drift then falls between servers)")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, metavar="PATH.json", help="JSON report")
     return p.parse_args(argv)
 
@@ -118,25 +124,33 @@ def stream_chat(client: httpx.Client, url: str, model: str, messages: list[dict]
             "accepted_tokens": spec.get("accepted_tokens", timings.get("draft_n_accepted"))}
 
 
-def measure(url: str, tasks: dict[str, list[list[dict]]], max_tokens: int) -> dict:
-    out = {}
+def summarize(runs: list[dict]) -> dict:
+    """A task's figures from its measured requests."""
+    tokens = sum(max(r["completion_tokens"] - 1, 0) for r in runs)
+    seconds = sum(r["decode_s"] for r in runs)
+    drafts = [r["draft_tokens"] for r in runs if r["draft_tokens"] is not None]
+    accepted = [r["accepted_tokens"] for r in runs if r["accepted_tokens"] is not None]
+    return {"decode_tok_per_s": tokens / seconds if seconds else None,
+            "output_tokens": sum(r["completion_tokens"] for r in runs),
+            "draft_tokens": sum(drafts) if drafts else None,
+            "accepted_tokens": sum(accepted) if accepted else None, "runs": runs}
+
+
+def measure(urls: list[str], tasks: dict[str, list[list[dict]]], max_tokens: int) -> list[dict]:
+    """Each server's figures per task; every chat goes to each server in turn."""
+    out: list[dict] = [{} for _ in urls]
     # a connection per request: llama-server may close one after a streamed response
     with httpx.Client(headers={"Connection": "close"}) as client:
-        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        models = [client.get(f"{url}/v1/models").json()["data"][0]["id"] for url in urls]
         for task, chats in tasks.items():
-            runs = []
+            runs: list[list[dict]] = [[] for _ in urls]
             for messages in chats:
-                stream_chat(client, url, model, messages, 1)  # fills the prompt cache, and no store of outputs
-                runs.append(stream_chat(client, url, model, messages, max_tokens))
-            tokens = sum(max(r["completion_tokens"] - 1, 0) for r in runs)
-            seconds = sum(r["decode_s"] for r in runs)
-            drafts = [r["draft_tokens"] for r in runs if r["draft_tokens"] is not None]
-            accepted = [r["accepted_tokens"] for r in runs if r["accepted_tokens"] is not None]
-            out[task] = {"decode_tok_per_s": tokens / seconds if seconds else None,
-                         "output_tokens": sum(r["completion_tokens"] for r in runs),
-                         "draft_tokens": sum(drafts) if drafts else None,
-                         "accepted_tokens": sum(accepted) if accepted else None, "runs": runs}
-            print(f"  {task}: {fmt(out[task]['decode_tok_per_s'])} decode tok/s", flush=True)
+                for i, (url, model) in enumerate(zip(urls, models)):
+                    stream_chat(client, url, model, messages, 1)  # fills the prompt cache, and no store of outputs
+                    runs[i].append(stream_chat(client, url, model, messages, max_tokens))
+            for i, server_runs in enumerate(runs):
+                out[i][task] = summarize(server_runs)
+            print(f"  {task}: " + ", ".join(fmt(o[task]["decode_tok_per_s"]) for o in out) + " decode tok/s", flush=True)
     return out
 
 
@@ -201,15 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     logs = args.output.parent / "speculative_vs_llamacpp_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for engine, variant, command in servers(args):
-        port = free_port()
-        command = [*command, "--port", str(port)]
-        print(f"{engine} {variant}: starting ...", flush=True)
-        with Server(command, port, logs / f"{engine}-{variant}.log") as server:
-            ready = server.wait_ready(args.server_timeout)
-            row = {"server": f"{engine} {variant}", "engine": engine, "variant": variant,
-                   "command": shlex.join(command), "ready_s": ready, "tasks": measure(server.url, tasks, args.max_tokens)}
-        results.append(row)
+    batches = [[spec] for spec in servers(args)] if args.sequential else [servers(args)]
+    for batch in batches:
+        with contextlib.ExitStack() as stack:
+            started = []
+            for engine, variant, command in batch:
+                port = free_port()
+                command = [*command, "--port", str(port)]
+                print(f"{engine} {variant}: starting ...", flush=True)
+                server = stack.enter_context(Server(command, port, logs / f"{engine}-{variant}.log"))
+                started.append((engine, variant, command, server, server.wait_ready(args.server_timeout)))
+            measured = measure([s[3].url for s in started], tasks, args.max_tokens)
+        for (engine, variant, command, _, ready), figures in zip(started, measured):
+            results.append({"server": f"{engine} {variant}", "engine": engine, "variant": variant,
+                            "command": shlex.join(command), "ready_s": ready, "tasks": figures})
 
     names = list(tasks)
     print(f"\nbatch 1, greedy, up to {args.max_tokens} output tokens, {args.num_prompts} chats per task "
