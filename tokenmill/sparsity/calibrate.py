@@ -95,8 +95,10 @@ def thresholds_from(histograms: list[dict[str, MagnitudeHistogram]], sparsities)
             for h in histograms]
 
 
+@torch.no_grad()
 def load_dense_model(source: Path, dtype: torch.dtype, max_position: int):
-    """(checkpoint, model): the checkpoint at `source` built dense in `dtype` with PyTorch's ops."""
+    """(checkpoint, model): the checkpoint at `source` in `dtype` with PyTorch's ops, dense (a
+    checkpoint written by `tokenmill quantize` as stored, its layers without the compiled kernels)."""
     from tokenmill.models import build_model
     from tokenmill.models.loader import load_checkpoint
 
