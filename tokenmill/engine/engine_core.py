@@ -19,7 +19,8 @@ from tokenmill.executor import MultiprocExecutor
 from tokenmill.layers.cpu_isa import host_isa
 from tokenmill.models.loader import LoadedCheckpoint
 from tokenmill.spec_decode.cost import (
-    MEASURE_CONTEXT, MEASURED_BATCHES, MEASURED_SIZES, StepCost, StepCostCache, measure_step_cost,
+    MEASURE_CONTEXT, MEASURE_METHOD, MEASURED_BATCHES, MEASURED_SIZES, StepCost, StepCostCache, measure_step_cost,
+    probe_blocks,
 )
 from tokenmill.worker.cpu import keep_large_allocations_in_heap
 from tokenmill.worker.model_runner import ModelRunner
@@ -108,9 +109,11 @@ class EngineCore:
             return None
         room = self.runner.num_blocks * config.block_size
         context = min(MEASURE_CONTEXT, room // 2)
-        limit = min(config.max_num_batched_tokens, room - context, self.max_model_len - context - 1)
+        # a probe holds its context and twice the largest step, rounded up to a block (probe_blocks)
+        limit = min(config.max_num_batched_tokens, (room - context - config.block_size) // 2,
+                    (self.max_model_len - context - config.block_size) // 2)
         sizes = tuple(sorted({n for n in (*MEASURED_SIZES, 1 + config.num_speculative_tokens) if n <= limit}))
-        per_request = -(-(context + sizes[-1]) // config.block_size)
+        per_request = probe_blocks(context, sizes, config.block_size)
         batches = tuple(b for b in MEASURED_BATCHES if b <= min(config.max_num_seqs, self.runner.num_blocks // per_request)
                         and b * context <= config.max_num_batched_tokens)
         source = checkpoint.source
@@ -120,7 +123,7 @@ class EngineCore:
             "device": self.device if self.device == "cpu" else torch.cuda.get_device_name(),
             "cpu_isa": host_isa(), "threads": torch.get_num_threads(), "tp": config.tensor_parallel_size,
             "pp": config.pipeline_parallel_size, "block_size": config.block_size, "sizes": sizes, "batches": batches,
-            "context": context, "version": tokenmill.__version__,
+            "context": context, "method": MEASURE_METHOD, "version": tokenmill.__version__,
         }
         cache = StepCostCache()
         cost = cache.get(key)

@@ -39,6 +39,7 @@ MEASURED_BATCHES = (1, 2, 4, 8, 16, 32)
 MEASURE_CONTEXT = 64  # tokens already in the cache of the measured request
 MEASURE_REPEATS = 3  # the fastest of these counts (a slower run is noise, not cost)
 MAX_PLANNED_DRAFTS = 256  # the most drafts whose worth one step's check weighs
+MEASURE_METHOD = 2  # in the cache key: curves measured another way are measured again
 CACHE_DIR = Path.home() / ".cache" / "tokenmill" / "step-cost"
 
 
@@ -194,38 +195,82 @@ class StepOverhead:
 
 # --- measuring ------------------------------------------------------------------------------------
 
+def probe_blocks(context: int, sizes: Sequence[int], block_size: int) -> int:
+    """KV blocks each request of `measure_step_cost` holds: its context, the largest step, and as
+    much again for the tokens its steps add."""
+    return -(-(context + 2 * max(sizes)) // block_size)
+
+
+class _Probes:
+    """The requests `measure_step_cost` steps through the runner. Each measured step samples, as a
+    real one does (logits, the LM head, sampling or verification): a request is scheduled from its
+    last known token, so its known tokens grow by what each step emits; one whose next step would
+    pass its blocks is replaced by a fresh one (a new prompt of `context` tokens, not timed)."""
+
+    def __init__(self, execute_model, block_size: int, count: int, context: int, sizes: Sequence[int]):
+        self.execute_model, self.context = execute_model, context
+        self.blocks = probe_blocks(context, sizes, block_size)
+        self.capacity = self.blocks * block_size
+        self.params = SamplingParams(temperature=0.0, max_tokens=self.capacity)
+        self.ids: list[str] = []
+        self.known: list[int] = []  # the runner's known tokens of each, prompt and output
+        self.serial = 0
+        for i in range(count):
+            self.ids.append("")
+            self.known.append(0)
+            self._fresh(i)
+
+    def _fresh(self, i: int) -> None:
+        if self.ids[i]:
+            self.execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids={self.ids[i]}))
+        self.ids[i], self.serial = f"step-cost-{self.serial}", self.serial + 1
+        blocks = list(range(i * self.blocks, (i + 1) * self.blocks))
+        new = NewRequestData(self.ids[i], [0] * self.context, self.context, self.params, [], blocks, 0)
+        out = self.execute_model(SchedulerOutput([new], [], {self.ids[i]: self.context}, self.context))
+        self.known[i] = self.context + len(out.sampled_token_ids.get(self.ids[i], ()))
+
+    def step(self, count: int, n: int) -> SchedulerOutput:
+        """The first `count` requests each verifying n tokens: its last known one and n - 1 drafts."""
+        for i in range(count):
+            if self.known[i] - 1 + n > self.capacity:
+                self._fresh(i)
+        reqs = [CachedRequestData(r, [], k - 1) for r, k in zip(self.ids[:count], self.known)]
+        spec = {r: [0] * (n - 1) for r in self.ids[:count]} if n > 1 else {}
+        return SchedulerOutput([], reqs, {r: n for r in self.ids[:count]}, n * count, scheduled_spec_tokens=spec)
+
+    def emitted(self, out) -> None:
+        for i, r in enumerate(self.ids):
+            self.known[i] += len(out.sampled_token_ids.get(r, ()))
+
+    def close(self) -> None:  # gone from the runner as preempted requests go: no state, nothing proposed from them
+        self.execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids=set(self.ids)))
+
+
 def measure_step_cost(execute_model: Callable[[SchedulerOutput], object], block_size: int, sizes: Sequence[int],
                       batches: Sequence[int] = (), context: int = MEASURE_CONTEXT,
                       repeats: int = MEASURE_REPEATS) -> StepCost:
-    """Time, through the runner's own execute_model, steps of one request with `context`
+    """Time, through the runner's own execute_model, steps of one request with about `context`
     tokens in its cache verifying 1 known token + n - 1 drafts, for each n of `sizes`, and steps
-    of B such requests decoding one token each, for each B of `batches`; greedy. Runs before
-    any request, on the first blocks of the cache (nothing holds them yet), and leaves no
-    request state behind."""
-    per_request = -(-(context + max(sizes)) // block_size)
-    ids = [f"step-cost-{i}" for i in range(max(batches, default=1))]
-    params = SamplingParams(temperature=0.0, max_tokens=max(sizes) + 1)
-    new = [NewRequestData(req_id, [0] * context, context, params, [], list(range(i * per_request, (i + 1) * per_request)), 0)
-           for i, req_id in enumerate(ids)]
-    execute_model(SchedulerOutput(new, [], {r: context for r in ids}, context * len(ids)))  # prompts; a token each
+    of B such requests decoding one token each, for each B of `batches`; greedy, every step
+    sampling as a real one does. Runs before any request, on the first blocks of the cache
+    (`probe_blocks` each; nothing holds them yet), and leaves no request state behind."""
+    probes = _Probes(execute_model, block_size, max(batches, default=1), context, sizes)
 
-    def fastest(step: SchedulerOutput) -> float:
+    def fastest(count: int, n: int) -> float:
         times = []
         for _ in range(repeats):
+            step = probes.step(count, n)
             start = time.perf_counter()
-            execute_model(step)
+            out = execute_model(step)
             times.append(time.perf_counter() - start)
+            probes.emitted(out)
         return min(times)
 
     try:
-        first = ids[0]
-        seconds = [fastest(SchedulerOutput([], [CachedRequestData(first, [], context)], {first: n}, n,
-                                           scheduled_spec_tokens={first: [0] * (n - 1)} if n > 1 else {}))
-                   for n in sizes]
-        decode_seconds = [fastest(SchedulerOutput([], [CachedRequestData(r, [], context) for r in ids[:b]],
-                                                  {r: 1 for r in ids[:b]}, b)) for b in batches]
-    finally:  # gone from the runner as preempted requests go: no state, nothing proposed from them
-        execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids=set(ids)))
+        seconds = [fastest(1, n) for n in sizes]
+        decode_seconds = [fastest(b, 1) for b in batches]
+    finally:
+        probes.close()
     return StepCost(tuple(sizes), tuple(seconds), tuple(batches), tuple(decode_seconds))
 
 
