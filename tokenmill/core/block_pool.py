@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -42,9 +42,14 @@ class BlockPool:
     `cached`): a later request with that prefix takes it back out of the middle of the queue
     (`touch`), and a fresh allocation that reaches it evicts it (drops the hash) first. A block
     held by any running request is never in the queue, so it can never be evicted.
+
+    `on_evict(block_id, block_hash)` is told of each such eviction while the block still holds
+    the prefix's contents (the caller's copies run before the step that overwrites it), so the
+    prefix can be kept in a lower tier (`core/cache_tiers.py`).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[int, BlockHash], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -53,6 +58,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +83,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 self._evict(block)
             block.ref_cnt = 1
             taken.append(block)

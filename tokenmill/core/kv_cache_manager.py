@@ -1,9 +1,14 @@
-"""Per-request block tables over a BlockPool: prefix-cache lookups, slots for scheduled tokens,
-swap to a host pool, and freeing on finish."""
+"""Per-request block tables over a BlockPool: prefix-cache lookups (through the host and disk
+tiers when there are some), slots for scheduled tokens, swap to a host pool, and freeing on
+finish."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tokenmill.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
+from tokenmill.core.cache_tiers import DiskIndex, HostHit, HostTier
+from tokenmill.core.outputs import TierOps
 from tokenmill.core.request import Request
 
 
@@ -33,13 +38,26 @@ class KVCacheManager:
     keys), the blocks a request's next queries can no longer see go back to the pool as it
     advances; `WINDOW_GAP` takes their place in its table, so a block's index still says which
     positions it held (attention never reads it: a window mask covers it).
+
+    Cache tiers (`core/cache_tiers.py`), with prefix caching: `num_host_cache_blocks` host slots
+    that evicted prefix blocks are demoted to, separate from the swap pool; `num_disk_cache_blocks`
+    files below them (`disk_hashes`: the files found at start, oldest first). `take_tier_ops`
+    hands each step's copies to the worker.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, extra_key: bytes = b"", sliding_window: int | None = None):
+                 num_host_blocks: int = 0, extra_key: bytes = b"", sliding_window: int | None = None,
+                 num_host_cache_blocks: int = 0, num_disk_cache_blocks: int = 0,
+                 disk_hashes: Iterable[BlockHash] = ()):
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        tiered = enable_caching and num_host_cache_blocks > 0
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict=self._demote if tiered else None)
+        self.host_tier = HostTier(num_host_cache_blocks) if tiered else None
+        self.disk_index = DiskIndex(num_disk_cache_blocks, disk_hashes) if tiered and num_disk_cache_blocks > 0 else None
+        self._tier_ops = TierOps()
+        if self.disk_index is not None:
+            self._tier_ops.disk_store.extend((h, None) for h in self.disk_index.initial_excess)
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
         self.extra_key = extra_key  # anything else that changes KV contents (e.g. a quantization id)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -53,6 +71,16 @@ class KVCacheManager:
         self.num_copied_blocks = 0  # copy on write
         self.num_forked_blocks = 0  # block references shared by forking (n > 1)
         self.num_window_freed_blocks = 0  # blocks a sliding window left behind, freed early
+        # Cache tiers, in blocks: lookups found / not found per tier (the host tier is asked
+        # about the device's misses; the disk about blocks read: delivered / failed, a torn or
+        # corrupted file among the failures), and blocks moved between them.
+        self.device_hit_blocks = self.device_miss_blocks = 0
+        self.host_hit_blocks = self.host_miss_blocks = 0
+        self.disk_hit_blocks = self.disk_miss_blocks = 0
+        self.num_demoted_blocks = 0  # device -> host
+        self.num_promoted_blocks = 0  # host -> device
+        self.num_disk_written_blocks = 0  # host -> disk (files asked for)
+        self.num_disk_read_blocks = 0  # disk -> host (reads asked for)
         self._copies: list[tuple[int, int]] = []
 
     @property
@@ -81,30 +109,124 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], self.extra_key))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock] | None:
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock | HostHit] | None:
         """The longest chain of cached blocks that starts the request's tokens (None: no lookup,
         caching is off or the request wants prompt logprobs, which need every prompt position
-        computed). At least the last token is left out, so the step that admits it has logits
-        to sample from. Pass the result to `allocate_slots`, which counts the lookup once it
-        succeeds (a request that has to wait is looked up again next step)."""
+        computed): device blocks, then host-tier hits (`HostHit`, promoted on admission). At
+        least the last token is left out, so the step that admits it has logits to sample from.
+        Pass the result to `allocate_slots`, which counts the lookup once it succeeds (a request
+        that has to wait is looked up again next step).
+
+        Where the chain goes on in the disk tier, reads of those blocks into host slots start
+        (`TierOps.disk_read`) and `waits_for_disk` says so: the request is best admitted once
+        they arrived."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs:
             return None
         limit = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in self.block_hashes(request)[:limit]:
+        hashes = self.block_hashes(request)[:limit]
+        hits: list[KVCacheBlock | HostHit] = []
+        for block_hash in hashes:
             block = self.block_pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
+        tier = self.host_tier
+        if tier is None:
+            return hits
+        for block_hash in hashes[len(hits):]:
+            slot = tier.lookup(block_hash)
+            if slot is None:
+                break
+            tier.pin(slot)  # (nothing this step may take it: reads below, or the request's own blocks)
+            hits.append(HostHit(block_hash, slot))
+        if self.disk_index is not None:
+            self._read_from_disk(hashes[len(hits):])
         return hits
+
+    def _read_from_disk(self, hashes: list[BlockHash]) -> None:
+        """Start reading the leading run of `hashes` that is on disk into host slots (blocks
+        already on their way count as part of the run)."""
+        tier = self.host_tier
+        for block_hash in hashes:
+            if block_hash in tier.loading:
+                continue
+            if block_hash not in self.disk_index:
+                break
+            slot = tier.take_slot()
+            if slot is None:
+                break
+            tier.loading[block_hash] = slot
+            self._tier_ops.disk_read.append((block_hash, slot))
+            self.num_disk_read_blocks += 1
+
+    def waits_for_disk(self, request: Request, num_hits: int) -> bool:
+        """Whether the block after the request's `num_hits` cached ones is being read from disk."""
+        tier = self.host_tier
+        if tier is None or not tier.loading:
+            return False
+        hashes = self.block_hashes(request)
+        return num_hits < (request.num_tokens - 1) // self.block_size and hashes[num_hits] in tier.loading
+
+    def finish_disk_reads(self, results: Iterable[tuple[BlockHash, bool]]) -> None:
+        """The worker's disk reads that ended: (hash, whether its block is now in its host slot).
+        A failed one (no file, or a torn or corrupted one) is a miss: its hash leaves the disk."""
+        tier = self.host_tier
+        for block_hash, ok in results:
+            slot = tier.loading.pop(block_hash)
+            if ok:
+                tier.insert(block_hash, slot)
+                self.disk_hit_blocks += 1
+                if self.disk_index is not None:
+                    self.disk_index.touch(block_hash)
+            else:
+                tier.release(slot)
+                self.disk_miss_blocks += 1
+                if self.disk_index is not None:
+                    self.disk_index.discard(block_hash)
+
+    def disable_disk_tier(self) -> None:
+        """Stop writing to and reading from disk (the worker found it full or unwritable); reads
+        already started still end through `finish_disk_reads`."""
+        self.disk_index = None
+
+    def _demote(self, block_id: int, block_hash: BlockHash) -> None:
+        """The device pool is evicting `block_id`, which holds `block_hash`'s contents: keep them
+        in a host slot (and on disk), unless the host tier holds them already or has no slot
+        this step's copies leave free."""
+        tier = self.host_tier
+        if tier.lookup(block_hash) is not None:
+            tier.touch(block_hash)
+            return
+        if block_hash in tier.loading:
+            return
+        slot = tier.take_slot()
+        if slot is None:
+            return
+        tier.insert(block_hash, slot)
+        self._tier_ops.demote.append((block_id, slot))
+        self.num_demoted_blocks += 1
+        disk = self.disk_index
+        if disk is not None and block_hash not in disk:
+            self._tier_ops.disk_store.append((block_hash, slot))
+            self._tier_ops.disk_store.extend((h, None) for h in disk.add(block_hash))
+            self.num_disk_written_blocks += 1
+
+    def take_tier_ops(self) -> TierOps:
+        """The data movement between tiers queued since the last call; the host slots it
+        involves may be reused from now on."""
+        ops, self._tier_ops = self._tier_ops, TierOps()
+        if self.host_tier is not None:
+            self.host_tier.unpin_all()
+        return ops
 
     # -- allocation --------------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
+                       computed_blocks: list[KVCacheBlock | HostHit] | None = None) -> list[int] | None:
         """Make room for `num_new_tokens` more KV entries after the request's computed ones,
         first adopting `computed_blocks` (the `get_computed_blocks` result for a request that
-        holds no blocks yet; counted in the prefix-cache stats on success). A block the new tokens would write into that someone else also holds, or that is
+        holds no blocks yet; counted in the prefix-cache stats on success; host-tier hits get
+        fresh device blocks, registered under their hashes, and promotion copies). A block the new tokens would write into that someone else also holds, or that is
         registered in the prefix cache, is copied first (copy on write; the copies are queued
         for `take_copies`). Returns the ids of the blocks that joined its table (hits and
         copies included), or None, changing nothing, when too few blocks are free."""
@@ -118,14 +240,17 @@ class KVCacheManager:
         num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
         written = range(num_computed // bs, min(len(blocks), self.num_blocks_for(num_computed + num_new_tokens)))
         to_copy = [i for i in written if blocks[i].ref_cnt > 1 or blocks[i].block_hash is not None]
-        # Hits sitting in the free queue leave it when adopted: they count against the free blocks.
-        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        # Hits sitting in the free queue leave it when adopted, and host hits take a fresh block:
+        # they count against the free blocks.
+        num_free_hits = sum(1 for b in computed_blocks if isinstance(b, HostHit) or b.ref_cnt == 0)
         if max(num_needed, 0) + len(to_copy) + num_free_hits > self.block_pool.num_free_blocks:
             return None
         if looked_up:
-            self.prefix_query_tokens += request.num_tokens
-            self.prefix_hit_tokens += len(computed_blocks) * bs
-        self.block_pool.touch(computed_blocks)
+            self._count_lookup(request, computed_blocks)
+        if any(isinstance(b, HostHit) for b in computed_blocks):
+            computed_blocks = self._promote(computed_blocks)
+        else:
+            self.block_pool.touch(computed_blocks)
         joined = list(computed_blocks)
         for i in to_copy:
             (fresh,) = self.block_pool.get_new_blocks(1)
@@ -142,6 +267,34 @@ class KVCacheManager:
         if self.sliding_window is not None:
             self._release_out_of_window(blocks, num_computed)
         return [b.block_id for b in (*joined, *new_blocks)]
+
+    def _count_lookup(self, request: Request, hits: list[KVCacheBlock | HostHit]) -> None:
+        bs = self.block_size
+        self.prefix_query_tokens += request.num_tokens
+        self.prefix_hit_tokens += len(hits) * bs
+        limit = (request.num_tokens - 1) // bs
+        num_host = sum(1 for b in hits if isinstance(b, HostHit))
+        self.device_hit_blocks += len(hits) - num_host
+        self.device_miss_blocks += limit - len(hits) + num_host
+        if self.host_tier is not None:
+            self.host_hit_blocks += num_host
+            self.host_miss_blocks += limit - len(hits)
+
+    def _promote(self, hits: list[KVCacheBlock | HostHit]) -> list[KVCacheBlock]:
+        """The device blocks for a lookup's hits: device hits taken as they are, each host hit
+        copied into a fresh block registered under its hash."""
+        device_hits = [b for b in hits if not isinstance(b, HostHit)]
+        host_hits = hits[len(device_hits):]
+        assert all(isinstance(h, HostHit) for h in host_hits), "host hits follow the device hits"
+        self.block_pool.touch(device_hits)
+        for hit in host_hits:  # (pinned at lookup: the evictions below cannot demote into them)
+            self.host_tier.touch(hit.block_hash)
+        fresh = self.block_pool.get_new_blocks(len(host_hits))
+        for hit, block in zip(host_hits, fresh):
+            self.block_pool.cache_block(block, hit.block_hash)
+            self._tier_ops.promote.append((hit.slot, block.block_id))
+        self.num_promoted_blocks += len(host_hits)
+        return device_hits + fresh
 
     def _release_out_of_window(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
         """Free the blocks wholly before the window of the first query scheduled now (at

@@ -34,6 +34,20 @@ class CachedRequestData:
 
 
 @dataclass
+class TierOps:
+    """One step's data movement between the cache tiers, for the worker to run before the
+    forward pass, in this order: demotions (device block -> host slot), disk stores (write the
+    host slot just filled under the hash, or delete the hash's file where the slot is None, in
+    order), promotions (host slot -> device block). Disk reads (hash -> host slot) run in the
+    background; their results come back through `KVCacheManager.finish_disk_reads`."""
+
+    demote: list[tuple[int, int]] = field(default_factory=list)
+    promote: list[tuple[int, int]] = field(default_factory=list)
+    disk_store: list[tuple[bytes, int | None]] = field(default_factory=list)
+    disk_read: list[tuple[bytes, int]] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerOutput:
     """Everything the runner needs for one engine step, and the only thing it is told.
 
@@ -56,6 +70,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # (source, destination) device block copies (copy on write), one after another, in order.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Prefix-cache tiers: copies between the device, the host tier and the disk, run after the
+    # swap-out and before the swap-in.
+    tier_ops: TierOps = field(default_factory=TierOps)
     # Speculative decoding: per request, the draft tokens it verifies this step (they follow
     # its known tokens and are counted in num_scheduled_tokens); and whether the runner should
     # propose drafts for the next step, and how many at most for each request it samples (its

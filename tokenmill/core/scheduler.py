@@ -6,7 +6,8 @@ token it just sampled). Running requests are served first, oldest first, then wa
 admitted FCFS while the token budget, `max_num_seqs` and free KV blocks allow. A prompt longer
 than the remaining budget is cut into chunks (chunked prefill), so decode tokens and prefill
 chunks of different requests share a step. A request admitted from scratch first adopts the
-longest cached prefix of its tokens (prefix caching) and computes only the rest. When blocks run
+longest cached prefix of its tokens (prefix caching; with cache tiers, from host memory too, and
+once its blocks on disk have been read) and computes only the rest. When blocks run
 out, the newest running request is preempted: its blocks are copied to the host pool when it
 has room (swap; the request resumes where it was), else freed and recomputed later from its
 prompt + output so far (most of it usually comes back from the prefix cache).
@@ -188,6 +189,8 @@ class Scheduler:
                 req.num_cached_tokens = req.num_prompt_tokens - 1
             else:
                 computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else None
+                if computed is not None and self.kv.waits_for_disk(req, len(computed)):
+                    break  # FCFS: its prefix is on its way from disk; running requests step meanwhile
                 num_cached = len(computed or ()) * self.kv.block_size
                 num_new = req.num_tokens - req.num_computed_tokens - num_cached
                 if num_new > budget and not self.config.enable_chunked_prefill:
@@ -234,6 +237,7 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             blocks_to_copy=self.kv.take_copies(),
+            tier_ops=self.kv.take_tier_ops(),
             scheduled_spec_tokens=spec_tokens,
             propose_drafts=speculate,
             num_drafts_to_propose=drafts_to_propose,
