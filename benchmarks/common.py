@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -596,7 +597,7 @@ def write_report(path: Path, benchmark: str, config: dict, results, **extra) -> 
     report = {
         "benchmark": benchmark,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),  # (as a shell takes it back)
         "code": code_version(),
         "config": config,
         "machine": machine_info(),
