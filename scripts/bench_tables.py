@@ -1,5 +1,5 @@
-"""The benchmark tables of README.md, docs/benchmarks.md and docs/quantization.md, generated from the
-JSON reports the benchmark scripts wrote.
+"""The results tables of README.md and docs/*.md, generated from the JSON reports the benchmark
+scripts wrote.
 
 A published result is one JSON file in benchmarks/published/: the report a script wrote
 (`benchmarks/common.py` `write_report`: date, command line, code version, machine, results), kept
@@ -12,7 +12,9 @@ carrying that result's command. A Markdown file asks for a table with a pair of 
     ...generated, do not edit...
     <!-- /bench-table -->
 
-and this script rewrites what lies between them.
+and this script rewrites what lies between them. Every other table in those files states what
+the code does (flags, formats, limits), not what it measured, and is listed in REFERENCE_TABLES
+by its header; a table that is neither is a hand-typed result, which `--check` refuses.
 
     python scripts/bench_tables.py                 # rewrite the tables (make docs)
     python scripts/bench_tables.py --check         # exit 1 if a table is out of date
@@ -45,7 +47,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PUBLISHED = REPO / "benchmarks" / "published"
-DOCS = (REPO / "README.md", REPO / "docs" / "benchmarks.md", REPO / "docs" / "quantization.md")
+DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+# the tables written by hand: what the code does, not what it measured (their header rows)
+REFERENCE_TABLES = (
+    "| family | checkpoints | tested against transformers |",
+    "| family | from | what it adds | tested against transformers |",
+    "| GGUF type | runs as | how |",
+    "| level | compiler flags | CPUs | compute dtype (auto) | matmul kernels |",
+    "| method | weights | activations | kernels (CPU / CUDA) |",
+    "| stage | what | cap |",
+    "| figure | target |",
+    "| What | Limit (default) | Flag | Answer |",
+    "| situation | what a client sees |",
+    "| link | bandwidth used | from | α |",
+    "| situation | choose | why (formula above) |",
+    "| endpoint | |",
+    "| | `/v1/completions` | `/v1/chat/completions` |",
+    "| value | what the engine does |",
+)
+# generated tables: these scripts' markers (scripts/scaling_tables.py writes the formula tables)
+GENERATED = re.compile(r"<!-- (bench|scaling)-table: [\w.-]+ -->\n.*?<!-- /\1-table -->\n?", re.S)
 HOST_CLASSES = ("CPU with AVX-512 BF16", "CPU with AVX-512 VNNI", "CPU with AVX-512", "CPU with AVX2",
                 "CPU, generic", "GPU")
 REQUIRED = ("name", "title", "report", "peers", "columns", "rows")
@@ -341,6 +362,14 @@ def regenerate(text: str) -> str:
     return MARKER.sub(replace, text)
 
 
+def hand_typed_tables(text: str) -> list[str]:
+    """The header rows of the tables in `text` that no script generates and REFERENCE_TABLES does not list."""
+    lines = GENERATED.sub("", text).splitlines()
+    headers = [line.strip() for i, line in enumerate(lines)
+               if line.lstrip().startswith("|") and (i == 0 or not lines[i - 1].lstrip().startswith("|"))]
+    return [h for h in headers if h not in REFERENCE_TABLES]
+
+
 def new_record(report: dict, name: str) -> dict:
     """A first view of a script's report: one row per result, one column per scalar field."""
     results = report.get("results")
@@ -402,16 +431,21 @@ def main(argv: list[str] | None = None) -> int:
                 if why:
                     print(f"{path.stem}: {why}")
         return 0
-    out_of_date = []
+    out_of_date, typed = [], []
     for doc in DOCS:
         text = doc.read_text()
+        typed += [f"{doc.relative_to(REPO)}: {h}" for h in hand_typed_tables(text)]
         new = regenerate(text)
         if new != text:
             out_of_date.append(doc.relative_to(REPO))
             if not args.check:
                 doc.write_text(new)
-    if args.check and out_of_date:
-        print("out of date (run `make docs`): " + ", ".join(map(str, out_of_date)))
+    if typed:
+        print("hand-typed tables (generate them from a script's report, or list a reference table's header "
+              "in REFERENCE_TABLES):\n  " + "\n  ".join(typed))
+    if args.check and (out_of_date or typed):
+        if out_of_date:
+            print("out of date (run `make docs`): " + ", ".join(map(str, out_of_date)))
         return 1
     print(("updated: " + ", ".join(map(str, out_of_date))) if out_of_date else "benchmark tables up to date")
     return 0

@@ -54,6 +54,16 @@ def test_benchmark_tables_are_generated_from_the_published_results():
         assert m.regenerate(text) == text, f"{doc.name}: run `make docs`"
 
 
+def test_no_results_table_is_typed_by_hand():
+    m = load_script("bench_tables")
+    typed = {doc.name: m.hand_typed_tables(doc.read_text()) for doc in m.DOCS}
+    assert not any(typed.values()), typed
+    generated = "<!-- bench-table: x -->\n| engine | tok/s |\n|---|---|\n<!-- /bench-table -->\n"
+    typed_by_hand = "\n  | engine | tok/s |\n  |---|---|\n  | tokenmill | 1 |\n"
+    assert m.hand_typed_tables(generated + "\n" + m.REFERENCE_TABLES[0] + "\n|---|\n") == []
+    assert m.hand_typed_tables(generated + typed_by_hand) == ["| engine | tok/s |"]
+
+
 def test_every_published_result_is_a_script_report_shown_somewhere():
     m = load_script("bench_tables")
     names = [p.stem for p in sorted(m.PUBLISHED.glob("*.json"))]
