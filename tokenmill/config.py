@@ -114,6 +114,13 @@ class EngineConfig:
     # num_host_kv_blocks overrides the block count computed from it.
     swap_space_gb: float = 1.0
     num_host_kv_blocks: int | None = None
+    # Prefix-cache tiers below the device pool (core/cache_tiers.py): host memory (GiB, 0 = off)
+    # that evicted prefix blocks are demoted to, separate from the swap space; and with it a
+    # directory they are written through to, at most disk_cache_gb of block files, read back
+    # after a restart by an engine of the same model, precision and layout.
+    host_cache_gb: float = 0.0
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 16.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
@@ -209,6 +216,13 @@ class EngineConfig:
             _check_min("num_host_kv_blocks", self.num_host_kv_blocks, 0)
         if not self.swap_space_gb >= 0:
             raise ConfigError("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
+        if not (_is_number(self.host_cache_gb) and self.host_cache_gb >= 0):
+            raise ConfigError("host_cache_gb", f"must be >= 0, got {self.host_cache_gb!r}")
+        if not (_is_number(self.disk_cache_gb) and self.disk_cache_gb > 0):
+            raise ConfigError("disk_cache_gb", f"must be > 0, got {self.disk_cache_gb!r}")
+        if self.disk_cache_dir is not None and not self.host_cache_gb > 0:
+            raise ConfigError("disk_cache_dir", "the disk tier is read and written through host memory: "
+                              "set host_cache_gb > 0 too")
         if self.kv_cache_memory_gb is not None and not (_is_number(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0):
             raise ConfigError("kv_cache_memory_gb", f"must be > 0 or None (auto), got {self.kv_cache_memory_gb!r}")
         if not (_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
@@ -239,6 +253,9 @@ class EngineConfig:
         if self.world_size > 1 and self.quantization_algorithm != "rtn":
             raise ConfigError("quantization_algorithm", f"{self.quantization_algorithm} calibrates one process's model; "
                               "a model split over ranks takes rtn")
+        if self.world_size > 1 and self.disk_cache_dir is not None:
+            raise ConfigError("disk_cache_dir", "the disk tier holds one process's KV cache; a model split over "
+                              "ranks keeps its prefix cache in device and host memory (host_cache_gb)")
         if self.world_size > 1 and self.activation_sparsity > 0:
             raise ConfigError("activation_sparsity", "the thresholds apply to one process's model; a model split over "
                               "ranks runs dense (activation_sparsity 0)")

@@ -128,6 +128,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              f"recompute (default: {d.swap_space_gb:g})")
     parser.add_argument("--num-host-kv-blocks", type=int, default=d.num_host_kv_blocks,
                         help="number of host KV blocks, overriding --swap-space")
+    parser.add_argument("--host-cache-gb", type=float, default=d.host_cache_gb,
+                        help="host memory in GiB that prefix-cache blocks evicted from the KV cache are kept in (LRU), "
+                             "promoted back when a prompt starts with them; separate from --swap-space "
+                             f"(default: {d.host_cache_gb:g} = off)")
+    parser.add_argument("--disk-cache-dir", default=d.disk_cache_dir,
+                        help="directory the host cache's blocks are written through to and read back from, also by a "
+                             "later server on the same model, precision and KV layout; needs --host-cache-gb "
+                             "(default: none)")
+    parser.add_argument("--disk-cache-gb", type=float, default=d.disk_cache_gb,
+                        help=f"most GiB of block files in --disk-cache-dir, least recently used deleted first "
+                             f"(default: {d.disk_cache_gb:g})")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help=f"token budget of one engine step (default: {d.max_num_batched_tokens})")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,

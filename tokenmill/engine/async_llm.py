@@ -58,6 +58,21 @@ class EngineStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     bytes_per_block: int = 0
+    # Prefix-cache tiers, per tier (device, host, disk), in blocks: lookups found and not found
+    # (disk: reads that delivered a block and reads that failed), blocks held and the most held;
+    # blocks promoted (host -> device), demoted (device -> host), written to and read from disk,
+    # files found torn or corrupted, and the disk threads' seconds spent writing and reading.
+    tier_hits: tuple[int, int, int] = (0, 0, 0)
+    tier_misses: tuple[int, int, int] = (0, 0, 0)
+    tier_blocks: tuple[int, int, int] = (0, 0, 0)
+    tier_capacity_blocks: tuple[int, int, int] = (0, 0, 0)
+    num_promoted_blocks: int = 0
+    num_demoted_blocks: int = 0
+    num_disk_written_blocks: int = 0
+    num_disk_read_blocks: int = 0
+    num_disk_corrupt_blocks: int = 0
+    disk_write_seconds: float = 0.0
+    disk_read_seconds: float = 0.0
     # Speculative decoding: verifications (one request verifying drafts in one step), draft
     # tokens, accepted drafts, and accepted drafts by position (0 = the first draft).
     spec_drafts: int = 0
@@ -300,11 +315,26 @@ class AsyncLLM:
         s.num_swapped_out_blocks = kv.num_swapped_out_blocks
         s.num_swapped_in_blocks = kv.num_swapped_in_blocks
         s.bytes_per_block = core.runner.bytes_per_block
+        self._refresh_tiers(kv, core.runner.disk_store)
         sched = core.scheduler
         s.spec_drafts = sched.num_spec_drafts
         s.spec_draft_tokens = sched.num_spec_draft_tokens
         s.spec_accepted_tokens = sched.num_spec_accepted_tokens
         s.spec_accepted_per_position = tuple(sched.spec_accepted_per_position)
+
+    def _refresh_tiers(self, kv, disk) -> None:
+        s = self.stats
+        host, index = kv.host_tier, kv.disk_index
+        s.tier_hits = (kv.device_hit_blocks, kv.host_hit_blocks, kv.disk_hit_blocks)
+        s.tier_misses = (kv.device_miss_blocks, kv.host_miss_blocks, kv.disk_miss_blocks)
+        s.tier_blocks = (len(kv.block_pool.cached), host.num_cached if host else 0, len(index) if index else 0)
+        s.tier_capacity_blocks = (kv.block_pool.num_blocks, host.num_slots if host else 0,
+                                  index.max_blocks if index else 0)
+        s.num_promoted_blocks, s.num_demoted_blocks = kv.num_promoted_blocks, kv.num_demoted_blocks
+        if disk is not None:
+            s.num_disk_written_blocks, s.num_disk_read_blocks = disk.num_written, disk.num_read
+            s.num_disk_corrupt_blocks = disk.num_corrupt
+            s.disk_write_seconds, s.disk_read_seconds = disk.write_seconds, disk.read_seconds
 
     def _count_step(self, engine: LLMEngine, started: float) -> None:
         s = self.stats

@@ -58,9 +58,12 @@ class EngineCore:
             # Blocks no layer's window reaches are freed early (every layer slides; a draft model,
             # whose layers may not, reads the same tables).
             window = arch.sliding_window if arch.all_layers_slide and self.runner.draft_model is None else None
+            disk = self.runner.disk_store if self.runner.disk_store is not None and self.runner.disk_store.enabled else None
             self.kv_cache_manager = KVCacheManager(
                 self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
                 num_host_blocks=self.runner.num_host_blocks, sliding_window=window,
+                num_host_cache_blocks=self.runner.num_host_cache_blocks,
+                num_disk_cache_blocks=disk.max_blocks if disk else 0, disk_hashes=disk.hashes_at_start if disk else (),
             )
             self.scheduler = Scheduler(
                 SchedulerConfig(
@@ -85,6 +88,11 @@ class EngineCore:
                 self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
                 self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,
             )
+            if self.runner.num_host_cache_blocks:
+                logger.info("prefix cache tiers: %d host blocks (%.0f MiB)%s", self.runner.num_host_cache_blocks,
+                            self.runner.num_host_cache_blocks * self.runner.bytes_per_block / 2**20,
+                            f", disk {disk.dir} ({len(disk.hashes_at_start)} of up to {disk.max_blocks} blocks there)"
+                            if disk else "")
         except BaseException:  # the ranks already started do not outlive a failed start
             self.shutdown()
             raise
@@ -143,8 +151,9 @@ class EngineCore:
             self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the other ranks and leave the process group (split over ranks; a no-op otherwise).
-        Idempotent."""
+        """Stop the other ranks and leave the process group (split over ranks), and the disk
+        tier's threads after its queued writes. Idempotent."""
+        self.runner.close()
         if self.executor is not self.runner:
             self.executor.shutdown()
 
@@ -165,8 +174,19 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def _finish_disk_reads(self) -> None:
+        """Hand the disk tier's finished reads to the KV-cache manager; with nothing running,
+        first wait for the reads a waiting request needs (nothing else could run)."""
+        store, kv = self.runner.disk_store, self.kv_cache_manager
+        if store is None or kv.host_tier is None:
+            return
+        kv.finish_disk_reads(store.poll(wait=bool(kv.host_tier.loading) and not self.scheduler.running))
+        if not store.enabled and kv.disk_index is not None:
+            kv.disable_disk_tier()
+
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
+        self._finish_disk_reads()
         scheduled = self.scheduler.schedule()
         requests = self.scheduler.requests
         spec = scheduled.scheduled_spec_tokens

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenmill.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TierOps
 from tokenmill.distributed import ParallelGroup, ShardPlan
 from tokenmill.distributed.pipeline import pipeline_forward
 from tokenmill.layers.attention import BatchLayout
@@ -48,6 +48,7 @@ from tokenmill.spec_decode.proposers import make_proposer
 from tokenmill.structured.bitmask import allocate_bitmask
 from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
 from tokenmill.worker.block_copies import copy_blocks, swap_blocks
+from tokenmill.worker.disk_store import DiskBlockStore, cache_identity
 from tokenmill.worker.cpu import gather_weights
 from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, decode_graphs_unavailable
 from tokenmill.worker.memory import GRAPH_POOL_MARGIN, GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
@@ -204,9 +205,44 @@ class ModelRunner:
         host = ([self._make_caches(m.config, self.num_host_blocks, "cpu", host_pool=True) for m in self.models]
                 if self.num_host_blocks else [[]])
         self.host_kv_caches = [layer for caches in host for layer in caches]
+        # The prefix cache's host tier (separate from the swap pool) and the disk tier below it.
+        self.num_host_cache_blocks = (self._blocks_for_budget(config.host_cache_gb)
+                                      if config.host_cache_gb > 0 and config.enable_prefix_caching else 0)
+        if parallel is not None:
+            self.num_host_cache_blocks = parallel.min_over_ranks(self.num_host_cache_blocks)
+        tier = ([self._make_caches(m.config, self.num_host_cache_blocks, "cpu", host_pool=True) for m in self.models]
+                if self.num_host_cache_blocks else [[]])
+        self.host_cache_kv_caches = [layer for caches in tier for layer in caches]
         if self.graphs_unavailable is None:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.max_graph_batch(config), self.block_size,
                                               max_model_len, self.device)
+        # Last: its threads start here (`close` stops them).
+        self.disk_store: DiskBlockStore | None = None
+        if config.disk_cache_dir is not None and self.num_host_cache_blocks:
+            self.disk_store = DiskBlockStore(config.disk_cache_dir, self._cache_identity(config, checkpoint),
+                                             self.host_cache_kv_caches, int(config.disk_cache_gb * 2**30),
+                                             cuda=self.device.type == "cuda")
+
+    def _cache_identity(self, config: EngineConfig, checkpoint: LoadedCheckpoint) -> bytes:
+        """What decides a KV block's bytes besides its tokens (worker/disk_store.py): the
+        model's files and shape, the draft model's, precision, quantization, KV-cache dtype and
+        layout, block size."""
+        from tokenmill.sparsity.thresholds import model_identity
+
+        fields = {
+            "model": model_identity(checkpoint.source, checkpoint.config)["fingerprint"],
+            "draft_model": config.draft_model and str(resolve_model(config.draft_model)),
+            "dtype": str(self.dtype), "kv_cache_dtype": config.kv_cache_dtype, "kv_code_dtype": str(self.kv_code_dtype),
+            "block_size": self.block_size,
+            "layout": [[list(t.shape[1:]), str(t.dtype)] for t in (self.host_cache_kv_caches[0] if self.host_cache_kv_caches else ())],
+            "layers": [(m.config.num_hidden_layers, m.config.num_key_value_heads, m.config.head_dim) for m in self.models],
+            "quantization": [config.quantization, config.quantization_group_size, config.quantization_lm_head,
+                             config.quantization_algorithm, config.calibration, config.calibration_samples,
+                             config.calibration_seq_len, config.smoothquant_alpha],
+            "activation_sparsity": [config.activation_sparsity, config.activation_sparsity_prefill,
+                                    config.activation_sparsity_file],
+        }
+        return cache_identity(fields)
 
     def _load_model(self, checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int):
         qconfig = QuantConfig.from_engine(config, checkpoint)
@@ -426,6 +462,23 @@ class ModelRunner:
         if copies:  # (none in the profiled step, which runs before the host pool exists)
             swap_blocks(self.kv_caches + self.draft_kv_caches, self.host_kv_caches, copies, out)
 
+    def _move_between_tiers(self, ops: TierOps) -> None:
+        """The prefix cache's copies (core/cache_tiers.py): evicted blocks into host slots, those
+        slots to disk, disk reads started, host slots into device blocks."""
+        device_caches = self.kv_caches + self.draft_kv_caches
+        if ops.demote:
+            swap_blocks(device_caches, self.host_cache_kv_caches, ops.demote, out=True)
+        if self.disk_store is not None:
+            self.disk_store.store(ops.disk_store)
+            self.disk_store.read(ops.disk_read)
+        if ops.promote:
+            swap_blocks(device_caches, self.host_cache_kv_caches, ops.promote, out=False)
+
+    def close(self) -> None:
+        """Stop the disk tier's threads once its queued writes are done. Idempotent."""
+        if self.disk_store is not None:
+            self.disk_store.close()
+
     # -- one step ------------------------------------------------------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -450,6 +503,7 @@ class ModelRunner:
         self._update_states(sched)
         # Block copies first: a block swapped out this step may be reused by this step's tokens.
         self._swap(sched.blocks_to_swap_out, out=True)
+        self._move_between_tiers(sched.tier_ops)
         self._swap(sched.blocks_to_swap_in, out=False)
         copy_blocks(self.kv_caches + self.draft_kv_caches, sched.blocks_to_copy)  # copy-on-write, in order
         if sched.total_num_scheduled_tokens == 0:

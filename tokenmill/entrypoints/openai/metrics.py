@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.outputs import RequestOutput
@@ -153,6 +153,7 @@ class _EngineCounters:
     def collect(self):
         s = self.llm.stats
         yield from self._speculation(s)
+        yield from self._tiers(s)
         for name, doc, value in (
             ("tokenmill_num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions),
             ("tokenmill_engine_steps", "Engine iterations run", s.num_steps),
@@ -171,6 +172,49 @@ class _EngineCounters:
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
+            yield family
+
+    def _tiers(self, s):
+        """The prefix cache's tiers (device, host, disk), labelled by tier, in blocks and bytes."""
+        labels = ["model_name", "tier"]
+        tiers = ("device", "host", "disk")
+        for kind, name, doc, values in (
+            (CounterMetricFamily, "tokenmill_prefix_cache_tier_hits", "Prefix-cache blocks found in the tier "
+             "(disk: blocks read back)", s.tier_hits),
+            (CounterMetricFamily, "tokenmill_prefix_cache_tier_misses", "Prefix-cache blocks looked up and not found "
+             "in the tier (host: of the device's misses; disk: reads that failed)", s.tier_misses),
+            (GaugeMetricFamily, "tokenmill_prefix_cache_tier_blocks", "Prefix-cache blocks held by the tier",
+             s.tier_blocks),
+            (GaugeMetricFamily, "tokenmill_prefix_cache_tier_bytes", "Bytes of prefix-cache blocks held by the tier",
+             tuple(n * s.bytes_per_block for n in s.tier_blocks)),
+            (GaugeMetricFamily, "tokenmill_prefix_cache_tier_capacity_bytes", "Bytes of blocks the tier can hold",
+             tuple(n * s.bytes_per_block for n in s.tier_capacity_blocks)),
+        ):
+            family = kind(name, doc, labels=labels)
+            for tier, value in zip(tiers, values):
+                family.add_metric([self.model_name, tier], value)
+            yield family
+        for name, doc, value in (
+            ("tokenmill_prefix_cache_promotions", "Prefix-cache blocks copied from the host tier into the KV cache",
+             s.num_promoted_blocks),
+            ("tokenmill_prefix_cache_demotions", "Prefix-cache blocks evicted from the KV cache and kept in the host "
+             "tier", s.num_demoted_blocks),
+            ("tokenmill_prefix_cache_disk_written_blocks", "Prefix-cache blocks written to disk", s.num_disk_written_blocks),
+            ("tokenmill_prefix_cache_disk_read_blocks", "Prefix-cache blocks read back from disk", s.num_disk_read_blocks),
+            ("tokenmill_prefix_cache_disk_corrupt_blocks", "Block files found torn or corrupted (deleted, read as misses)",
+             s.num_disk_corrupt_blocks),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        for name, doc, count, seconds in (
+            ("tokenmill_prefix_cache_disk_write_seconds", "Time to write one block file (background thread)",
+             s.num_disk_written_blocks, s.disk_write_seconds),
+            ("tokenmill_prefix_cache_disk_read_seconds", "Time to read and check one block file (background thread)",
+             s.num_disk_read_blocks, s.disk_read_seconds),
+        ):
+            family = SummaryMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], count_value=count, sum_value=seconds)
             yield family
 
     def _speculation(self, s):
