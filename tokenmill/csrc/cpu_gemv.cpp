@@ -52,12 +52,15 @@ inline __m512 bf16x16_to_fp32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// Tiled weights: up to this many rows one tile at a time, widened as it goes (4 rows a pass; on
+// Tiled weights: up to this many rows one tile at a time, widened as it goes (up to kTileRowsPerPass rows a pass; on
 // the default model's matrices, 2 cores, Zen 5: int8 at 8 rows 141 vs 221 µs for tile pairs,
 // int4 at 12-16 rows 0.8x the time); above it tile pairs widened once into a buffer that blocks
 // of kBufferRows rows read.
 constexpr int64_t kSingleTileRows = 24;
 constexpr int64_t kBufferRows = 8;
+// Rows a pass over a tile widened as it goes: each pass widens the tile's codes again, so 5 rows
+// in passes of 4 cost nearly twice 4 rows (a speculative verification of 4 drafts is 5 rows).
+constexpr int64_t kTileRowsPerPass = 8;
 
 // The tiled weights of a call and what every tile kernel shares: int4 (see the layout above)
 // or int8 (Int8 = true: per tile and quad of input channels, 64 bytes, byte 2c + j of the first
@@ -175,9 +178,9 @@ void with_rows_up_to_8(int64_t rows, const F& f) {
 
 // y = x W^T for the tiled weight of `a`, every row count, over items of tiles taken by the
 // threads in turn. Up to kSingleTileRows rows: one tile at a time (one stream of codes per
-// thread reads fastest), widened as it goes, 4 rows a pass (one row: two accumulators per
+// thread reads fastest), widened as it goes, up to 8 rows a pass (one row: two accumulators per
 // tile). More: a tile pair widened once into a buffer that blocks of kBufferRows rows read (an
-// odd last tile alone, 4 rows a pass).
+// odd last tile alone, the same way).
 template <bool Int8>
 void tiled_matmul(const Tiles& a, int64_t M) {
   alignas(64) uint16_t table_bits[32];
@@ -207,8 +210,8 @@ void tiled_matmul(const Tiles& a, int64_t M) {
           });
         }
       } else {
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          tokenmill::with_row_count(std::min<int64_t>(4, M - m0), [&](auto r) {
+        for (int64_t m0 = 0; m0 < M; m0 += kTileRowsPerPass) {
+          with_rows_up_to_8(std::min(kTileRowsPerPass, M - m0), [&](auto r) {
             tile_rows<Int8, decltype(r)::value, 1, 2>(a, m0, t0, 16, table);
           });
         }
