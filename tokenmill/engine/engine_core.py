@@ -16,6 +16,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
 from tokenmill.engine.faults import FaultPlan
 from tokenmill.executor import MultiprocExecutor
+from tokenmill.layers import cpu_kernels
 from tokenmill.layers.cpu_isa import host_isa
 from tokenmill.models.loader import LoadedCheckpoint
 from tokenmill.spec_decode.cost import (
@@ -132,6 +133,9 @@ class EngineCore:
             "cpu_isa": host_isa(), "threads": torch.get_num_threads(), "tp": config.tensor_parallel_size,
             "pp": config.pipeline_parallel_size, "block_size": config.block_size, "sizes": sizes, "batches": batches,
             "context": context, "method": MEASURE_METHOD, "version": tokenmill.__version__,
+            # the code that runs the steps: the CPU kernels' sources and flags, and what the step computes
+            "kernels": cpu_kernels.fingerprint(host_isa())[:16] if self.device == "cpu" else None,
+            "activation_sparsity": config.activation_sparsity,
         }
         cache = StepCostCache()
         cost = cache.get(key)
