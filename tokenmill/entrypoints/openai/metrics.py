@@ -180,7 +180,7 @@ class _EngineCounters:
         tiers = ("device", "host", "disk")
         for kind, name, doc, values in (
             (CounterMetricFamily, "tokenmill_prefix_cache_tier_hits", "Prefix-cache blocks found in the tier "
-             "(disk: blocks read back)", s.tier_hits),
+             "(host: blocks promoted, those read back from disk included; disk: blocks read back)", s.tier_hits),
             (CounterMetricFamily, "tokenmill_prefix_cache_tier_misses", "Prefix-cache blocks looked up and not found "
              "in the tier (host: of the device's misses; disk: reads that failed)", s.tier_misses),
             (GaugeMetricFamily, "tokenmill_prefix_cache_tier_blocks", "Prefix-cache blocks held by the tier",
