@@ -176,6 +176,7 @@ class ModelRunner:
         self.mask_filler = MaskFiller(torch.get_num_threads())  # structured output's bitmasks
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer = make_proposer(config)  # n-gram or suffix drafts (None: off, or the draft model's)
+        self.disk_store: DiskBlockStore | None = None  # the disk tier, made last (below): none in the profiled step
         # Each step's integer inputs, uploaded at once (worker/step_inputs.py), sized for a full
         # token budget's ids, positions and slots; the draft model's catch-up and proposal passes
         # have their own, as the step's inputs are read again by the draft forward after the catch-up.
@@ -217,7 +218,6 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.max_graph_batch(config), self.block_size,
                                               max_model_len, self.device)
         # Last: its threads start here (`close` stops them).
-        self.disk_store: DiskBlockStore | None = None
         if config.disk_cache_dir is not None and self.num_host_cache_blocks:
             self.disk_store = DiskBlockStore(config.disk_cache_dir, self._cache_identity(config, checkpoint),
                                              self.host_cache_kv_caches, int(config.disk_cache_gb * 2**30),
