@@ -21,6 +21,17 @@ from tokenmill.quantization.cli import add_calibration_args
 _DEFAULTS = EngineConfig()
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags for every EngineConfig field (shared by every command that builds an engine)."""
     d = _DEFAULTS

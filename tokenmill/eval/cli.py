@@ -13,17 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenmill.engine_args import add_engine_args, engine_config_from_args
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
+from tokenmill.engine_args import add_engine_args, engine_config_from_args, positive_int
 
 
 def add_eval_parser(subparsers) -> None:
@@ -39,8 +29,8 @@ def add_eval_parser(subparsers) -> None:
                                        "(llama.cpp's protocol), all windows in one batch.")
     add_engine_args(ppl)
     g = ppl.add_argument_group("perplexity")
-    g.add_argument("--window", type=_positive_int, default=512, help="tokens per window (default: 512)")
-    g.add_argument("--max-windows", type=_positive_int, default=None,
+    g.add_argument("--window", type=positive_int, default=512, help="tokens per window (default: 512)")
+    g.add_argument("--max-windows", type=positive_int, default=None,
                    help="score only the first N windows (default: the whole text, 14 windows of 512 for SmolLM2)")
     g.add_argument("--output", type=Path, default=None, metavar="FILE.json",
                    help="also write the result and the engine config as JSON")
@@ -54,10 +44,10 @@ def add_eval_parser(subparsers) -> None:
                                        "number). All problems run as one batch.")
     add_engine_args(gsm)
     g = gsm.add_argument_group("gsm8k")
-    g.add_argument("--num-problems", type=_positive_int, default=100,
+    g.add_argument("--num-problems", type=positive_int, default=100,
                    help="problems to score, the first N of a fixed seeded shuffle (a smaller N is a prefix of a "
                         "larger one; at most 1315) (default: 100)")
-    g.add_argument("--max-tokens", type=_positive_int, default=256,
+    g.add_argument("--max-tokens", type=positive_int, default=256,
                    help="most new tokens per answer; a longer answer is cut and usually scored wrong (default: 256)")
     g.add_argument("--output", type=Path, default=None, metavar="FILE.json",
                    help="also write the result, every problem's reply and the engine config as JSON")

@@ -1,5 +1,5 @@
-"""`tokenmill calibrate-sparsity MODEL [--sequences N] [--output FILE]` (standard library only
-until the command runs)."""
+"""`tokenmill calibrate-sparsity MODEL [--sequences N] [--output FILE]` (the standard library and
+the engine flags' module until the command runs)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
+from tokenmill.engine_args import positive_int
 
 
 def add_calibrate_sparsity_parser(sub) -> None:
@@ -32,9 +24,9 @@ def add_calibrate_sparsity_parser(sub) -> None:
                     "under ~/.cache/tokenmill/sparsity/, where the engine finds it; a file beside the model "
                     "(X.gguf.sparsity.json, or DIR/activation_sparsity.json) is found too.")
     p.add_argument("model", help="model alias, .gguf file or Hugging Face directory")
-    p.add_argument("--sequences", type=_positive_int, default=100, metavar="N",
+    p.add_argument("--sequences", type=positive_int, default=100, metavar="N",
                    help="calibration windows (fewer when the text is short) (default: 100)")
-    p.add_argument("--seq-len", type=_positive_int, default=512, metavar="TOKENS", help="tokens per calibration window (default: 512)")
+    p.add_argument("--seq-len", type=positive_int, default=512, metavar="TOKENS", help="tokens per calibration window (default: 512)")
     p.add_argument("--calibration", default="gsm8k",
                    help="calibration text: gsm8k (test problems with worked solutions, minus the few-shot examples "
                         "and the first --exclude-gsm8k problems of the evaluation sample), gpl3 (the text GPL-3 "
