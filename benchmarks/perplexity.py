@@ -85,7 +85,7 @@ def main() -> None:
         results.append(llama_perplexity(args.llama_perplexity, gguf, args.window, args.max_windows, args.threads))
     print_table(["config", "path", "perplexity", "s"],
                 [[r["config"], r["path"], f"{r['perplexity']:.4f}", f"{r['seconds']:.1f}"] for r in results])
-    write_report(args.output, "perplexity", vars(args) | {"output": str(args.output), "model": args.model}, results)
+    write_report(args.output, "perplexity", vars(args), results)
 
 
 if __name__ == "__main__":

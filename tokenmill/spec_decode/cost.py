@@ -212,28 +212,29 @@ class _Probes:
         self.blocks = probe_blocks(context, sizes, block_size)
         self.capacity = self.blocks * block_size
         self.params = SamplingParams(temperature=0.0, max_tokens=self.capacity)
-        self.ids: list[str] = []
-        self.known: list[int] = []  # the runner's known tokens of each, prompt and output
+        self.ids = [""] * count
+        self.known = [0] * count  # the runner's known tokens of each, prompt and output
         self.serial = 0
-        for i in range(count):
-            self.ids.append("")
-            self.known.append(0)
-            self._fresh(i)
+        self._fresh(range(count))  # the prompts in one step
 
-    def _fresh(self, i: int) -> None:
-        if self.ids[i]:
-            self.execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids={self.ids[i]}))
-        self.ids[i], self.serial = f"step-cost-{self.serial}", self.serial + 1
-        blocks = list(range(i * self.blocks, (i + 1) * self.blocks))
-        new = NewRequestData(self.ids[i], [0] * self.context, self.context, self.params, [], blocks, 0)
-        out = self.execute_model(SchedulerOutput([new], [], {self.ids[i]: self.context}, self.context))
-        self.known[i] = self.context + len(out.sampled_token_ids.get(self.ids[i], ()))
+    def _fresh(self, indices: Sequence[int]) -> None:
+        old = {self.ids[i] for i in indices if self.ids[i]}
+        if old:
+            self.execute_model(SchedulerOutput([], [], {}, 0, preempted_req_ids=old))
+        new = []
+        for i in indices:
+            self.ids[i], self.serial = f"step-cost-{self.serial}", self.serial + 1
+            blocks = list(range(i * self.blocks, (i + 1) * self.blocks))
+            new.append(NewRequestData(self.ids[i], [0] * self.context, self.context, self.params, [], blocks, 0))
+        out = self.execute_model(SchedulerOutput(new, [], {r.req_id: self.context for r in new}, self.context * len(new)))
+        for i in indices:
+            self.known[i] = self.context + len(out.sampled_token_ids.get(self.ids[i], ()))
 
     def step(self, count: int, n: int) -> SchedulerOutput:
         """The first `count` requests each verifying n tokens: its last known one and n - 1 drafts."""
-        for i in range(count):
-            if self.known[i] - 1 + n > self.capacity:
-                self._fresh(i)
+        full = [i for i in range(count) if self.known[i] - 1 + n > self.capacity]
+        if full:
+            self._fresh(full)
         reqs = [CachedRequestData(r, [], k - 1) for r, k in zip(self.ids[:count], self.known)]
         spec = {r: [0] * (n - 1) for r in self.ids[:count]} if n > 1 else {}
         return SchedulerOutput([], reqs, {r: n for r in self.ids[:count]}, n * count, scheduled_spec_tokens=spec)
