@@ -28,8 +28,9 @@ bench: setup
 	$(PY) benchmarks/offline_throughput.py
 
 # the flag reference (docs/cli.md) from the argparse parsers, the benchmark tables from benchmarks/published/,
-# the tables of docs/scaling.md from their formulas
+# the tables of docs/scaling.md from their formulas, the package graph of docs/architecture.md from scripts/import_cycles.py
 docs: setup
 	$(PY) scripts/cli_reference.py
 	$(PY) scripts/bench_tables.py
 	$(PY) scripts/scaling_tables.py --write
+	$(PY) scripts/import_cycles.py --write

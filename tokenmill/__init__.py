@@ -4,8 +4,8 @@
 """
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 

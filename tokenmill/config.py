@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from tokenmill.engine.faults import FaultPlan
+from tokenmill.faults import FaultPlan
 from tokenmill.layers.cpu_isa import ISA_LEVELS, host_isa, native_bf16
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -170,7 +170,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
-    # Testing only: a fault the engine injects into its own step (engine/faults.py:
+    # Testing only: a fault the engine injects into its own step (faults.py:
     # "raise@step=N" or "stall@step=N:seconds=S"). The CLI reads it from the
     # TOKENMILL_FAULT_INJECT environment variable at start-up; there is no flag.
     fault_injection: str | None = None

@@ -14,7 +14,7 @@ from tokenmill.config import (
     LM_HEAD_CHOICES, MAX_ACTIVATION_SPARSITY, QUANTIZATION_CHOICES, SPECULATIVE_METHODS,
     EngineConfig,
 )
-from tokenmill.engine.faults import FAULT_ENV
+from tokenmill.faults import FAULT_ENV
 from tokenmill.layers.cpu_isa import ISA_LEVELS
 from tokenmill.quantization.cli import add_calibration_args
 

@@ -6,7 +6,7 @@ request gets an error at once: a non-streaming one a 503 in OpenAI's error shape
 error event and `[DONE]`. /health answers 503, new requests get 503, and the process exits with
 status 1 about DEAD_EXIT_GRACE seconds later (the server does not try to recover: a supervisor
 restarts it). Overloaded, the server answers only 200 and 429 and keeps its queue and memory
-bounded. Faults come from TOKENMILL_FAULT_INJECT (tokenmill/engine/faults.py).
+bounded. Faults come from TOKENMILL_FAULT_INJECT (tokenmill/faults.py).
 """
 
 from __future__ import annotations

@@ -7,14 +7,13 @@ import time
 
 import torch
 
-import tokenmill
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
-from tokenmill.engine.faults import FaultPlan
+from tokenmill.faults import FaultPlan
 from tokenmill.executor import MultiprocExecutor
 from tokenmill.layers import cpu_kernels
 from tokenmill.layers.cpu_isa import host_isa
@@ -23,6 +22,7 @@ from tokenmill.spec_decode.cost import (
     MEASURE_CONTEXT, MEASURE_METHOD, MEASURED_BATCHES, MEASURED_SIZES, StepCost, StepCostCache, measure_step_cost,
     probe_blocks,
 )
+from tokenmill.version import __version__
 from tokenmill.worker.cpu import keep_large_allocations_in_heap
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -132,7 +132,7 @@ class EngineCore:
             "device": self.device if self.device == "cpu" else torch.cuda.get_device_name(),
             "cpu_isa": host_isa(), "threads": torch.get_num_threads(), "tp": config.tensor_parallel_size,
             "pp": config.pipeline_parallel_size, "block_size": config.block_size, "sizes": sizes, "batches": batches,
-            "context": context, "method": MEASURE_METHOD, "version": tokenmill.__version__,
+            "context": context, "method": MEASURE_METHOD, "version": __version__,
             # the code that runs the steps: the CPU kernels' sources and flags, and what the step computes
             "kernels": cpu_kernels.fingerprint(host_isa())[:16] if self.device == "cpu" else None,
             "activation_sparsity": config.activation_sparsity,

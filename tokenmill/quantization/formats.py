@@ -27,6 +27,10 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Which linear gets which format (quantization/quantize.py's QuantConfig, the streaming load):
+LM_HEAD = "lm_head"
+AUTO = "auto"  # QuantConfig.method: each linear as its GGUF tensors are stored (models/gguf_blocks.py)
+ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")  # kept dense: a mixture of experts' router and shared-expert gate
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

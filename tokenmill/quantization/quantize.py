@@ -29,7 +29,7 @@ from torch import nn
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.layers.linear import DenseLinear, build_linear
 from tokenmill.quantization import calibration
-from tokenmill.quantization.formats import record_from_rtn
+from tokenmill.quantization.formats import AUTO, LM_HEAD, ROUTER_SUFFIXES, record_from_rtn
 
 if TYPE_CHECKING:
     from tokenmill.models.loader import LoadedCheckpoint
@@ -37,9 +37,6 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-LM_HEAD = "lm_head"
-AUTO = "auto"  # QuantConfig.method: each linear as its GGUF tensors are stored (models/gguf_blocks.py)
-ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from tokenmill.worker.disk_store import DiskBlockStore, cache_identity
 from tokenmill.worker.cpu import gather_weights
 from tokenmill.worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, decode_graphs_unavailable
 from tokenmill.worker.memory import GRAPH_POOL_MARGIN, GiB, MemoryProfile, kv_cache_budget_bytes, profile_prompt_lens
-from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.layers.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer = make_proposer(config)  # n-gram or suffix drafts (None: off, or the draft model's)
         self.disk_store: DiskBlockStore | None = None  # the disk tier, made last (below): none in the profiled step
-        # Each step's integer inputs, uploaded at once (worker/step_inputs.py), sized for a full
+        # Each step's integer inputs, uploaded at once (layers/step_inputs.py), sized for a full
         # token budget's ids, positions and slots; the draft model's catch-up and proposal passes
         # have their own, as the step's inputs are read again by the draft forward after the catch-up.
         self.step_inputs = StepInputs(self.device, capacity=3 * config.max_num_batched_tokens + config.max_num_seqs)

@@ -32,7 +32,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-import tokenmill
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
 from tokenmill.entrypoints.openai.args import PROMPT_CHARS_PER_TOKEN, ServerConfig
@@ -49,6 +48,7 @@ from tokenmill.entrypoints.openai.stats_stream import DEFAULT_INTERVAL, MAX_INTE
 from tokenmill.entrypoints.openai.templates import read_template
 from tokenmill.entrypoints.openai.tool_calls import tools_in_template
 from tokenmill.entrypoints.web import web_routes
+from tokenmill.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
                                       max_prompt_chars=max_prompt_chars)
         logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     app.state.server = state
     add_request_limits(app, config)
     app.openapi = lambda: _openapi(app)
@@ -251,7 +251,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": tokenmill.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics():

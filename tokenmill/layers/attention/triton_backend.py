@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.layers.attention.backend import BatchLayout
 from tokenmill.layers.attention.triton_kernels import MAX_DECODE_SPLITS, paged_decode, paged_prefill, write_kv
-from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.layers.step_inputs import StepInputs
 
 # Split-K decode: enough programs to fill the GPU (ideally ~2 per SM), but never splits shorter
 # than MIN_SPLIT_TOKENS keys (each split is a partial output to write and combine), and at most

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.layers.attention import BatchLayout
-from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.layers.step_inputs import StepInputs
 
 
 def test_cpu_hands_out_views_of_one_buffer_per_dtype_filled_at_once():
