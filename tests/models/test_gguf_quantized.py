@@ -56,7 +56,7 @@ def test_int4_record_is_the_files_weights_exactly(type_name):
 def test_int8_record_is_quantize_int8_of_the_files_weights(type_name, monkeypatch):
     """The numpy requantization of wider types gives formats.quantize_int8's codes and scales,
     across chunk boundaries (chunks of 7 rows here)."""
-    from tokenmill.models import loader
+    from tokenmill.models.loader import gguf_loader as loader
     from tokenmill.quantization.formats import quantize_int8
 
     rng = np.random.default_rng(1)

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from tokenmill.config import ConfigError
-from tokenmill.models.loader import ModelArchConfig
+from tokenmill.models.loader.arch import ModelArchConfig
 
 Tensor = torch.Tensor | dict[str, torch.Tensor]
 

@@ -22,7 +22,7 @@ from tokenmill.layers.attention import AttentionBackend, prefill_kernel_takes
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.sparsity import DOWN, GATE_UP, LINEAR_INPUTS, O, QKV, SparseInputs
-from tokenmill.models.loader import ModelArchConfig
+from tokenmill.models.loader.arch import ModelArchConfig
 
 KVCache = tuple[torch.Tensor, ...]  # (key, value), or 4 tensors when quantized: layers/attention/backend.py
 

@@ -219,7 +219,7 @@ def _hf_config_dict(arch) -> dict:
         "attention_bias": arch.attention_bias,
         "bos_token_id": arch.bos_token_id,
         "eos_token_id": list(arch.eos_token_ids),
-        # Every field of the family, read back as it is (models/loader.py: arch_config_from_dict).
+        # Every field of the family, read back as it is (models/loader/hf_loader.py: arch_config_from_dict).
         "tokenmill_arch": dataclasses.asdict(arch),
     }
 

@@ -36,7 +36,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import BatchLayout
-from tokenmill.models.loader import ModelArchConfig
+from tokenmill.models.loader.arch import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
