@@ -28,7 +28,7 @@ DOC = REPO / "docs" / "architecture.md"
 ROOT = "tokenmill"  # the package itself (tokenmill/__init__.py: the public API, LLM and SamplingParams)
 
 # The packages of the graph: tokenmill's subpackages and top-level modules, by name, plus these
-# modules, which sit above the rest of their package (a command and its report run the engine).
+# command modules, which load, run or measure a model and so sit above the rest of their package.
 SPLIT = ("eval.cli", "quantization.cli", "quantization.report", "sparsity.cli")
 
 # Who may import whom, top to bottom. An edge is a dependency on purpose; anything else is an error.
