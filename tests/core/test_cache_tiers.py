@@ -170,3 +170,34 @@ def test_disabling_the_disk_tier_stops_writes():
     evict_all(kv, "x", 100)
     ops = kv.take_tier_ops()
     assert len(ops.demote) == 1 and ops.disk_store == []
+
+
+def test_at_shutdown_the_cached_blocks_go_to_disk_through_host_slots_in_batches():
+    kv = KVCacheManager(4, BS, num_host_cache_blocks=2, num_disk_cache_blocks=8)
+    a = req("a", list(range(1, 14)))  # 3 full blocks + 1 token: device blocks 0, 1, 2 hashed
+    run(kv, a)
+    kv.free(a)  # free queue 3, 2, 1, 0: the prefix's last block is the least recent
+    h = kv.block_hashes(a)
+    batches = list(kv.persist_batches())
+    assert [b.demote for b in batches] == [[(2, 0), (1, 1)], [(0, 0)]]  # 2 host slots: two batches
+    assert [b.disk_store for b in batches] == [[(h[2], 0), (h[1], 1)], [(h[0], 0)]]
+    assert list(kv.disk_index.lru) == [h[2], h[1], h[0]] and kv.num_persisted_blocks == 3
+    assert [kv.block_pool.blocks[i].block_hash for i in range(3)] == h  # the device pool is left as it was
+    assert list(kv.persist_batches()) == []  # everything is on disk now
+
+
+def test_at_shutdown_host_blocks_are_written_from_their_slots_and_the_disk_keeps_the_most_recent():
+    kv = KVCacheManager(3, BS, num_host_cache_blocks=2, num_disk_cache_blocks=1)
+    a = req("a", list(range(1, 10)))  # 2 full blocks
+    run(kv, a)
+    kv.free(a)
+    evict_all(kv, "x", 100)  # a's blocks demoted; the disk's one place keeps only the later one
+    ops = kv.take_tier_ops()
+    h = kv.block_hashes(a)
+    assert ops.disk_store == [(h[1], 0), (h[0], 1), (h[1], None)] and list(kv.disk_index.lru) == [h[0]]
+    kv.disk_index.max_blocks = 3  # room for two more: the host tier's h[1] and x's 2 device blocks, not h[0]
+    x = kv.block_hashes(req("x", list(range(100, 111))))  # device blocks 2 (x[0]) and 1 (x[1]); x[1] less recent
+    first, second = kv.persist_batches()
+    assert first.demote == [(1, 1)] and first.disk_store == [(h[1], 0), (x[1], 1)]  # h[1] from its own slot
+    assert second.demote == [(2, 0)] and second.disk_store == [(x[0], 0), (h[0], None)]  # the oldest file goes
+    assert list(kv.disk_index.lru) == [h[1], x[1], x[0]]

@@ -3,6 +3,7 @@ from host memory and from disk, also after a restart, and the output never chang
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -100,3 +101,18 @@ def test_another_kv_layout_never_reads_the_files_and_a_failing_disk_keeps_servin
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     assert kv.disk_index is None and not store.enabled and kv.disk_hit_blocks == 0
     assert caplog.text.count("disk tier off") == 1
+
+
+def test_blocks_that_never_left_the_device_are_on_disk_after_a_restart(default_model_path, expected, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tokenmill.engine.engine_core")
+    with LLM(str(default_model_path), disk_cache_dir=str(tmp_path), **TIERED) as llm:
+        assert run(llm, [0]) == [expected[0]]
+        kv = llm.engine.core.kv_cache_manager
+        assert kv.num_disk_written_blocks == 0  # nothing was evicted
+    assert kv.num_persisted_blocks == 5 and "5 cached blocks written" in caplog.text
+    assert len(list(next(tmp_path.iterdir()).glob("*.kv"))) == 5
+    with LLM(str(default_model_path), disk_cache_dir=str(tmp_path), **TIERED) as llm:
+        assert run(llm, [0]) == [expected[0]]
+        kv = llm.engine.core.kv_cache_manager
+    assert kv.disk_hit_blocks == 5 and kv.disk_miss_blocks == 0 and kv.prefix_hit_tokens == 5 * 16
+    assert kv.num_persisted_blocks == 0  # (all there already)

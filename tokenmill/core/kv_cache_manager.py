@@ -4,7 +4,7 @@ finish."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from tokenmill.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
 from tokenmill.core.cache_tiers import DiskIndex, HostHit, HostTier
@@ -81,6 +81,7 @@ class KVCacheManager:
         self.num_promoted_blocks = 0  # host -> device
         self.num_disk_written_blocks = 0  # host -> disk (files asked for)
         self.num_disk_read_blocks = 0  # disk -> host (reads asked for)
+        self.num_persisted_blocks = 0  # written at shutdown (`persist_batches`), of num_disk_written_blocks
         self._copies: list[tuple[int, int]] = []
 
     @property
@@ -210,6 +211,47 @@ class KVCacheManager:
             self._tier_ops.disk_store.append((block_hash, slot))
             self._tier_ops.disk_store.extend((h, None) for h in disk.add(block_hash))
             self.num_disk_written_blocks += 1
+
+    def persist_batches(self) -> Iterator[TierOps]:
+        """At a clean shutdown: write to disk every cached block it does not hold yet, the host
+        tier's and then the device pool's, least recently used first, at most as many as the disk
+        tier holds (the most recent ones), so the blocks that never left the device (a shared
+        system prompt) are there after a restart. Yields the copies in batches of at most the
+        host tier's size, each to run (device -> host slot, then the writes from the slots)
+        before the next is asked for: device blocks pass through host slots, which a batch pins.
+        The device pool itself is left as it is; the host tier's contents are given up. Nothing
+        is yielded without a disk tier. The caller must not step the engine afterwards."""
+        tier, disk = self.host_tier, self.disk_index
+        if disk is None:
+            return
+        held = [b for b in self.block_pool.blocks if b.ref_cnt > 0 and b.block_hash is not None]
+        device = [self.block_pool.blocks[i] for i in self.block_pool.free_block_ids()] + held  # LRU first
+        todo: dict[BlockHash, int | None] = {h: None for h in tier.lru if h not in disk}  # hash -> device block id
+        for block in device:
+            h = block.block_hash
+            if h is not None and h not in disk and h not in todo and h not in tier.loading:
+                todo[h] = block.block_id
+        todo_list = list(todo.items())[-disk.max_blocks:]
+        for block_hash, block_id in todo_list:
+            if block_id is None:  # already in a host slot
+                slot = tier.lookup(block_hash)
+                tier.pin(slot)
+            else:
+                slot = tier.take_slot()
+                if slot is None:  # every slot is pinned by this batch: run it first
+                    yield self.take_tier_ops()
+                    slot = tier.take_slot()
+                    if slot is None:  # every slot is being read from disk
+                        return
+                tier.insert(block_hash, slot)
+                self._tier_ops.demote.append((block_id, slot))
+            self._tier_ops.disk_store.append((block_hash, slot))
+            self._tier_ops.disk_store.extend((h, None) for h in disk.add(block_hash))
+            self.num_disk_written_blocks += 1
+            self.num_persisted_blocks += 1
+        ops = self.take_tier_ops()
+        if ops.demote or ops.disk_store:
+            yield ops
 
     def take_tier_ops(self) -> TierOps:
         """The data movement between tiers queued since the last call; the host slots it

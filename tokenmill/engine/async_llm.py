@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import MAX_PERSIST_SECONDS
 from tokenmill.engine.llm_engine import LLMEngine, Prompt
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -183,7 +184,9 @@ class AsyncLLM:
             raise self.load_error
         return self.engine
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0 + MAX_PERSIST_SECONDS) -> None:
+        """Stop the engine thread after its step, waiting up to `timeout` seconds for it (and for
+        the prefix cache's blocks it writes to disk at shutdown)."""
         self._stop = True
         self._commands.put(None)  # wake the thread if it is idle
         if self._thread is not None and self.dead_error is None:  # a wedged thread is not waited for

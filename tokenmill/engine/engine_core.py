@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
@@ -28,6 +29,10 @@ from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# How long a shutdown may spend writing the prefix cache's blocks to disk (`persist_cache`);
+# the disk tier's byte budget bounds it too.
+MAX_PERSIST_SECONDS = 30.0
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint):
@@ -45,6 +50,8 @@ class EngineCore:
             )
         self.config = config
         self.num_steps = 0
+        self._in_step = False  # a step began and has not returned (after a failure, no cached block is trusted)
+        self._persisted = False
         self.faults = FaultPlan.parse(config.fault_injection) if config.fault_injection else None  # tests only
         self.last_num_prompt_tokens = 0
         self.last_num_generated_tokens = 0
@@ -155,11 +162,42 @@ class EngineCore:
             self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the other ranks and leave the process group (split over ranks), and the disk
-        tier's threads after its queued writes. Idempotent."""
+        """Write the prefix cache's blocks that are not on disk yet (with a disk tier, unless a
+        step failed: `persist_cache`), then stop the disk tier's threads after its queued writes,
+        and the other ranks and the process group (split over ranks). Idempotent."""
+        if hasattr(self, "kv_cache_manager"):  # (not when the constructor failed)
+            self.persist_cache()
         self.runner.close()
         if self.executor is not self.runner:
             self.executor.shutdown()
+
+    def persist_cache(self) -> int:
+        """Write to the disk tier every full cached block of the device pool and the host tier
+        that it does not hold yet (`KVCacheManager.persist_batches`), so that a restart finds what
+        never left the device, within the disk's byte budget and `MAX_PERSIST_SECONDS`. Only once,
+        and not after a step that did not return (its blocks may not hold what their hashes say).
+        Returns how many blocks were written; the engine must not step afterwards."""
+        store, kv = self.runner.disk_store, self.kv_cache_manager
+        if self._persisted or self._in_step or store is None or not store.enabled or kv.disk_index is None:
+            return 0
+        if sys.is_finalizing():  # (the interpreter's exit: the writer thread may never run again)
+            return 0
+        self._persisted = True
+        self._finish_disk_reads()
+        start = time.perf_counter()
+        deadline = start + MAX_PERSIST_SECONDS
+        before = kv.num_persisted_blocks
+        for ops in kv.persist_batches():
+            if not self.runner.persist(ops, deadline - time.perf_counter()) or not store.enabled:
+                logger.warning("prefix cache: writing the cached blocks to disk at shutdown stopped after %.1fs (%s)",
+                               time.perf_counter() - start,
+                               "the disk tier is off" if not store.enabled else f"more than {MAX_PERSIST_SECONDS:g}s")
+                break
+        num = kv.num_persisted_blocks - before
+        if num:
+            logger.info("prefix cache: %d cached blocks written to %s at shutdown in %.2fs", num, store.dir,
+                        time.perf_counter() - start)
+        return num
 
     def add_request(self, request: Request) -> None:
         if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
@@ -189,6 +227,12 @@ class EngineCore:
             kv.disable_disk_tier()
 
     def step(self) -> list[EngineCoreOutput]:
+        self._in_step = True
+        outputs = self._step()
+        self._in_step = False
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         self._finish_disk_reads()
         scheduled = self.scheduler.schedule()

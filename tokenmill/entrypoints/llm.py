@@ -33,8 +33,9 @@ class LLM:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """With the model split over ranks, stop the other ranks and leave the process group (the
-        LLM cannot generate afterwards); otherwise nothing. Idempotent."""
+        """Write the prefix cache's blocks to the disk tier (with `disk_cache_dir`) and stop its
+        threads; with the model split over ranks, stop the other ranks and leave the process
+        group. With either, the LLM cannot generate afterwards. Idempotent."""
         engine = getattr(self, "engine", None)  # (none when the constructor raised)
         if engine is not None:
             engine.core.shutdown()

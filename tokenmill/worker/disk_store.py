@@ -57,7 +57,7 @@ class DiskBlockStore:
     manager's `DiskIndex` keeps the bound and says what to delete).
 
     The engine's thread calls `store` (right after the step's demotion copies filled the host
-    slots it names), `read` and `poll`; `close` stops the threads after the queued writes.
+    slots it names), `read`, `poll` and `drain`; `close` stops the threads after the queued writes.
     """
 
     def __init__(self, directory: str | os.PathLike, identity: bytes, host_caches: list[KVCache], max_bytes: int,
@@ -159,6 +159,11 @@ class DiskBlockStore:
             done, self._done = self._done, []
         return done
 
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the queued writes to reach their files; whether they did."""
+        with self._done_cond:
+            return self._done_cond.wait_for(lambda: not self._pending, timeout=max(timeout, 0.0))
+
     def close(self) -> None:
         """Finish the queued writes and reads, then stop the threads. Idempotent."""
         for q in (self._writes, self._reads):
@@ -197,9 +202,10 @@ class DiskBlockStore:
                 self._disable(f"writing {self.path(block_hash)} failed: {e}")
             finally:
                 if data is not None:
-                    with self._lock:
+                    with self._done_cond:
                         if self._pending.get(block_hash) is data:
                             del self._pending[block_hash]
+                        self._done_cond.notify_all()
 
     def _write(self, block_hash: bytes, data: torch.Tensor) -> None:
         start = time.perf_counter()

@@ -474,6 +474,13 @@ class ModelRunner:
         if ops.promote:
             swap_blocks(device_caches, self.host_cache_kv_caches, ops.promote, out=False)
 
+    @torch.inference_mode()
+    def persist(self, ops: TierOps, timeout: float) -> bool:
+        """Run a batch of the prefix cache's shutdown writes (`KVCacheManager.persist_batches`)
+        and wait up to `timeout` seconds for them to reach disk; whether they did."""
+        self._move_between_tiers(ops)
+        return self.disk_store.drain(timeout)
+
     def close(self) -> None:
         """Stop the disk tier's threads once its queued writes are done. Idempotent."""
         if self.disk_store is not None:
