@@ -1,8 +1,9 @@
 """The web page's contract over HTTP, against real servers: the page and its assets at `/`
 (offline: nothing from another host), the stats stream's events (every field the page reads,
-every step of a load, counts equal to the engine's counters), the API key on the stream,
-`--no-web-ui`, and a stream that ends when the server drains. The latency window's percentiles
-on plain numbers first. The page in a browser: test_web_ui_browser.py."""
+every step of a load, counts equal to the engine's counters, the prefix cache's tiers), the
+API key on the stream, `--no-web-ui`, and a stream that ends when the server drains. The latency
+window's percentiles and the tiers' snapshot on plain numbers first. The page in a browser:
+test_web_ui_browser.py."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import pytest
 
 from tests.serving import BASE_FLAGS, MODEL, ServerProcess, scrape_metrics
 from tests.web_page import Load
-from tokenmill.engine.async_llm import StepRecord
+from tokenmill.engine.async_llm import EngineStats, StepRecord
 from tokenmill.entrypoints.openai.metrics import RecentLatencies
-from tokenmill.entrypoints.openai.stats_stream import _tokens_in_window
+from tokenmill.entrypoints.openai.stats_stream import TIERS, _tokens_in_window, tiers_snapshot
 
 WEB_DIR = Path(__file__).resolve().parents[2] / "tokenmill" / "entrypoints" / "web"
 # Every field of an event and its JSON type(s).
@@ -29,8 +30,9 @@ FIELDS = {
     "num_steps": int, "num_preemptions": int, "num_swapped_out_blocks": int, "num_swapped_in_blocks": int,
     "prefix_cache_hits": int, "prefix_cache_queries": int, "prefix_cache_hit_rate": (float, type(None)),
     "output_tokens_per_s": (int, float), "prompt_tokens_per_s": (int, float), "ttft": (dict, type(None)),
-    "itl": (dict, type(None)), "steps": list,
+    "itl": (dict, type(None)), "steps": list, "tiers": dict,
 }
+TIER_FIELDS = {"hits", "misses", "blocks", "bytes", "capacity_bytes"}
 
 
 # -- the last minute's latencies, on plain numbers ------------------------------------------------
@@ -74,6 +76,34 @@ def test_token_rates_cover_the_window_or_the_whole_log_when_it_is_shorter():
 # -- the page and the stream of a real server -----------------------------------------------------
 
 
+def test_the_tiers_in_the_stream_are_the_engines_counters_in_blocks_bytes_and_mean_latencies():
+    stats = EngineStats(bytes_per_block=1000, tier_hits=(7, 3, 2), tier_misses=(5, 2, 1), tier_blocks=(10, 4, 9),
+                        tier_capacity_blocks=(12, 6, 100), num_promoted_blocks=3, num_demoted_blocks=8,
+                        num_disk_written_blocks=4, num_disk_read_blocks=0, num_disk_corrupt_blocks=1,
+                        disk_write_seconds=0.5)
+    tiers = tiers_snapshot(stats)
+    assert tiers["host"] == {"hits": 3, "misses": 2, "blocks": 4, "bytes": 4000, "capacity_bytes": 6000}
+    assert tiers["disk"]["capacity_bytes"] == 100_000 and tiers["device"]["hits"] == 7
+    assert (tiers["promoted_blocks"], tiers["demoted_blocks"], tiers["disk_corrupt_blocks"]) == (3, 8, 1)
+    assert tiers["disk_write_ms"] == 125.0 and tiers["disk_read_ms"] is None  # no read yet
+    assert json.loads(json.dumps(tiers)) == tiers
+
+
+def test_the_page_reads_only_tier_fields_the_stream_sends():
+    script = (WEB_DIR / "app.js").read_text()
+    body = script[script.index("function showTiers(t)"):]
+    body = body[: body.index("\n}\n")]
+    tiers = tiers_snapshot(EngineStats())
+    read = set(re.findall(r"\bt\.([a-z_]+)", body))
+    assert read and read <= set(tiers), read - set(tiers)
+    per_tier = set(re.findall(r"\btier\.([a-z_]+)", body))
+    assert per_tier and per_tier <= TIER_FIELDS, per_tier - TIER_FIELDS
+    html = (WEB_DIR / "index.html").read_text()
+    for name in TIERS:  # every cell the script fills is on the page
+        for cell in ("hits", "misses", "rate", "blocks", "bytes", "capacity"):
+            assert f'id="tier-{name}-{cell}"' in html
+
+
 @contextmanager
 def stats_events(url: str, interval: float = 0.1, **headers: str):
     """The stats stream's events, parsed, as they arrive."""
@@ -93,6 +123,11 @@ def check_event(event: dict) -> None:
             summary = event[name]
             assert set(summary) == {"count", "p50_ms", "p90_ms", "p99_ms"} and summary["count"] > 0
             assert 0 < summary["p50_ms"] <= summary["p90_ms"] <= summary["p99_ms"]
+    tiers = event["tiers"]
+    for name in TIERS:
+        assert set(tiers[name]) == TIER_FIELDS and all(isinstance(v, int) and v >= 0 for v in tiers[name].values())
+        assert tiers[name]["bytes"] <= tiers[name]["capacity_bytes"]
+    assert tiers["device"]["capacity_bytes"] > 0 and tiers["device"]["blocks"] <= event["num_blocks"]
     for step in event["steps"]:
         assert len(step) == 4 and step[1] >= 0 and step[2] >= 0 and step[3] > 0, step
 

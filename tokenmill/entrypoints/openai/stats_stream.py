@@ -12,6 +12,11 @@ Each event is one `data:` line of JSON (`StatsStream.snapshot`):
 - counters since start: `num_steps`, `num_preemptions`, `num_swapped_out_blocks`,
   `num_swapped_in_blocks`, `prefix_cache_hits` / `prefix_cache_queries` (tokens) and their
   `prefix_cache_hit_rate` (null before any lookup);
+- `tiers`: the prefix cache's tiers (`tiers_snapshot`): for each of `device`, `host`, `disk`
+  `{"hits", "misses", "blocks", "bytes", "capacity_bytes"}` (counters in blocks, as in
+  `/metrics`; capacity 0: the tier is off), and the counters `promoted_blocks`,
+  `demoted_blocks`, `disk_written_blocks`, `disk_read_blocks`, `disk_corrupt_blocks` with the
+  disk threads' mean `disk_write_ms` and `disk_read_ms` per block (null before the first);
 - `output_tokens_per_s`, `prompt_tokens_per_s`: over the last RATE_WINDOW seconds of steps;
 - `ttft`, `itl`: `{"count", "p50_ms", "p90_ms", "p99_ms"}` over the last minute (null without one);
 - `steps`: the steps since the previous event (at most MAX_STEPS_PER_EVENT, the newest), each
@@ -25,7 +30,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 
-from tokenmill.engine.async_llm import AsyncLLM, StepRecord
+from tokenmill.engine.async_llm import AsyncLLM, EngineStats, StepRecord
 from tokenmill.entrypoints.openai.metrics import RecentLatencies, ServerMetrics
 
 DEFAULT_INTERVAL = 0.5  # seconds between events
@@ -74,6 +79,7 @@ class StatsStream:
             "prefix_cache_hits": s.prefix_cache_hits,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else None,
+            "tiers": tiers_snapshot(s),
             "output_tokens_per_s": generated / span,
             "prompt_tokens_per_s": prefill / span,
             "ttft": _latency_summary(self.metrics.recent_ttft, now),
@@ -81,6 +87,30 @@ class StatsStream:
             "steps": [[r.step, r.num_prefill_tokens, r.num_generated_tokens, round(r.seconds * 1e3, 2)]
                       for r in steps[-MAX_STEPS_PER_EVENT:] if r.step > since_step],
         }
+
+
+TIERS = ("device", "host", "disk")
+
+
+def tiers_snapshot(s: EngineStats) -> dict:
+    """The prefix cache's tiers for the engine view: what `/metrics` reports of them."""
+    tiers = {
+        name: {"hits": s.tier_hits[i], "misses": s.tier_misses[i], "blocks": s.tier_blocks[i],
+               "bytes": s.tier_blocks[i] * s.bytes_per_block,
+               "capacity_bytes": s.tier_capacity_blocks[i] * s.bytes_per_block}
+        for i, name in enumerate(TIERS)
+    }
+    mean_ms = lambda seconds, n: round(seconds / n * 1e3, 3) if n else None  # noqa: E731
+    return {
+        **tiers,
+        "promoted_blocks": s.num_promoted_blocks,
+        "demoted_blocks": s.num_demoted_blocks,
+        "disk_written_blocks": s.num_disk_written_blocks,
+        "disk_read_blocks": s.num_disk_read_blocks,
+        "disk_corrupt_blocks": s.num_disk_corrupt_blocks,
+        "disk_write_ms": mean_ms(s.disk_write_seconds, s.num_disk_written_blocks),
+        "disk_read_ms": mean_ms(s.disk_read_seconds, s.num_disk_read_blocks),
+    }
 
 
 def _tokens_in_window(steps: list[StepRecord], now: float, window: float,

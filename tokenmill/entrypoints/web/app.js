@@ -453,6 +453,7 @@ function showEngine(s) {
     for (const p of ["p50", "p90", "p99"]) $(`${name}-${p}`).textContent = ms(summary && summary[`${p}_ms`]);
     $(`${name}-count`).textContent = fmt(summary ? summary.count : 0);
   }
+  showTiers(s.tiers);
   if (!s.ready) setStatus("loading…", false);
 
   page.steps.push(...s.steps);
@@ -462,6 +463,27 @@ function showEngine(s) {
   while (page.rates.length && page.rates[0][0] < now - RATE_HISTORY_S) page.rates.shift();
   drawSteps();
   drawRates(now);
+}
+
+const mib = (bytes) => `${fmt(bytes / 2 ** 20, bytes < 10 * 2 ** 20 ? 1 : 0)} MiB`;
+
+// The prefix cache's tiers: a row per tier (a tier of no capacity is off), then what moved between them.
+function showTiers(t) {
+  for (const name of ["device", "host", "disk"]) {
+    const tier = t[name];
+    const on = tier.capacity_bytes > 0;
+    const looked = tier.hits + tier.misses;
+    $(`tier-${name}-hits`).textContent = on ? fmt(tier.hits) : "off";
+    $(`tier-${name}-misses`).textContent = on ? fmt(tier.misses) : "–";
+    $(`tier-${name}-rate`).textContent = on && looked ? `${fmt(100 * tier.hits / looked, 1)}%` : "–";
+    $(`tier-${name}-blocks`).textContent = on ? fmt(tier.blocks) : "–";
+    $(`tier-${name}-bytes`).textContent = on ? mib(tier.bytes) : "–";
+    $(`tier-${name}-capacity`).textContent = on ? mib(tier.capacity_bytes) : "–";
+  }
+  const perBlock = (x) => (x == null ? "" : `, ${x < 10 ? x.toFixed(2) : Math.round(x)} ms a block`);
+  $("tier-moves").textContent = `Blocks demoted to host memory ${fmt(t.demoted_blocks)}, promoted back ${fmt(t.promoted_blocks)}; `
+    + `written to disk ${fmt(t.disk_written_blocks)}${perBlock(t.disk_write_ms)}, `
+    + `read from disk ${fmt(t.disk_read_blocks)}${perBlock(t.disk_read_ms)}, corrupt files ${fmt(t.disk_corrupt_blocks)}.`;
 }
 
 // A canvas sized to its element in device pixels; drawing happens in CSS pixels.
