@@ -10,15 +10,20 @@ import re
 import signal
 import time
 from dataclasses import astuple
+from types import SimpleNamespace
 
 import httpx
 import openai
 import psutil
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.serving import MODEL, ServerProcess, scrape_metrics
 from tokenmill.core.block_pool import hash_block
-from tokenmill.entrypoints.router import PrefixIndex, Router, prompt_block_hashes
+from tokenmill.engine.async_llm import EngineStats
+from tokenmill.entrypoints.data_parallel import prefix_cache_blocks
+from tokenmill.entrypoints.openai.metrics import _EngineCounters
+from tokenmill.entrypoints.router import MAX_INDEX_BLOCKS, PrefixIndex, Router, prompt_block_hashes
 
 # -- the router, on plain hashes -------------------------------------------------------------------
 
@@ -67,6 +72,22 @@ def test_router_breaks_load_ties_by_kv_cache_usage():
     router.finish(1)
     router.kv_cache_usage = [0.0, 0.1]
     assert router.choose([]).replica == 0
+
+
+def test_the_router_remembers_what_a_replica_s_kv_cache_host_and_disk_tiers_hold():
+    def metrics(tier_capacity_blocks):
+        stats = EngineStats(num_blocks=tier_capacity_blocks[0], bytes_per_block=1000,
+                            tier_capacity_blocks=tier_capacity_blocks)
+        registry = CollectorRegistry()
+        registry.register(_EngineCounters(SimpleNamespace(stats=stats, config=SimpleNamespace(speculative_method=None)),
+                                          "m"))
+        gauge = f'tokenmill_kv_cache_blocks{{model_name="m"}} {float(tier_capacity_blocks[0])}\n'  # (a server gauge)
+        return generate_latest(registry).decode() + gauge
+
+    assert prefix_cache_blocks(metrics((12, 0, 0))) == 12  # the KV cache alone
+    assert prefix_cache_blocks(metrics((12, 6, 100))) == 118  # + host slots + disk files
+    assert prefix_cache_blocks("") == 1
+    assert PrefixIndex(MAX_INDEX_BLOCKS + 1).max_blocks == MAX_INDEX_BLOCKS
 
 
 # -- a real front end with two replicas -----------------------------------------------------------

@@ -103,8 +103,7 @@ class FrontEnd:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         max_model_len = (await self.clients[0].get("/v1/models", headers=headers)).json()["data"][0]["max_model_len"]
         self.max_prompt_chars = self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
-        num_blocks = _sample_value((await self.clients[0].get("/metrics")).text, "tokenmill_kv_cache_blocks")
-        self.router = Router(len(self.clients), max(1, int(num_blocks or 1)))
+        self.router = Router(len(self.clients), prefix_cache_blocks((await self.clients[0].get("/metrics")).text))
         logger.info("serving %s on http://%s:%d: %d replicas x %d CPU threads, routed by cached prefix and load",
                     self.model_name, self.config.host, self.config.port, len(self.clients), self.replicas.num_threads)
         while True:
@@ -378,6 +377,20 @@ async def _disconnected(receive) -> None:
     """Returns when the client closes the connection (the request body has been read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def prefix_cache_blocks(metrics_text: str) -> int:
+    """How many prefix blocks a replica can keep, from its `/metrics`: its KV blocks plus what
+    its prefix cache's host and disk tiers hold (their capacity in bytes over the bytes of a
+    block), at least 1. The router remembers that many of the blocks it sent the replica."""
+    num_blocks = int(_sample_value(metrics_text, "tokenmill_kv_cache_blocks") or 0)
+    capacity = {sample.labels.get("tier"): sample.value for family in text_string_to_metric_families(metrics_text)
+                if family.name == "tokenmill_prefix_cache_tier_capacity_bytes" for sample in family.samples}
+    device_bytes = capacity.get("device", 0.0)
+    if not num_blocks or not device_bytes:
+        return max(1, num_blocks)
+    lower_bytes = capacity.get("host", 0.0) + capacity.get("disk", 0.0)
+    return num_blocks + round(lower_bytes * num_blocks / device_bytes)
 
 
 def _sample_value(metrics_text: str, name: str) -> float | None:

@@ -18,6 +18,9 @@ from tokenmill.core.block_pool import BlockHash, hash_block
 # flight than the least loaded replica: a prefix hit saves a prefill, a few extra requests in a
 # replica's batch cost little, many cost every request in it.
 PREFIX_LOAD_SLACK = 4
+# The most block hashes remembered per replica (about 150 MB of them): a replica whose disk tier
+# holds more is remembered for its most recent ones.
+MAX_INDEX_BLOCKS = 1 << 20
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
@@ -31,11 +34,12 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[Block
 
 class PrefixIndex:
     """The block hashes of the prompts one replica was sent, least recently used first, at most
-    `max_blocks` of them (about what the replica's KV cache can hold)."""
+    `max_blocks` of them (about what the replica's prefix cache can hold: its KV cache and the
+    host and disk tiers below it), and never more than MAX_INDEX_BLOCKS."""
 
     def __init__(self, max_blocks: int):
         assert max_blocks >= 1, max_blocks
-        self.max_blocks = max_blocks
+        self.max_blocks = min(max_blocks, MAX_INDEX_BLOCKS)
         self._hashes: OrderedDict[BlockHash, None] = OrderedDict()
 
     def __len__(self) -> int:
