@@ -254,8 +254,10 @@ class EngineConfig:
             raise ConfigError("quantization_algorithm", f"{self.quantization_algorithm} calibrates one process's model; "
                               "a model split over ranks takes rtn")
         if self.world_size > 1 and self.disk_cache_dir is not None:
-            raise ConfigError("disk_cache_dir", "the disk tier holds one process's KV cache; a model split over "
-                              "ranks keeps its prefix cache in device and host memory (host_cache_gb)")
+            raise ConfigError("disk_cache_dir", "the prefix cache's disk tier (--disk-cache-dir) holds one process's "
+                              "KV cache; a model split over ranks (--tensor-parallel-size, --pipeline-parallel-size) "
+                              "keeps its prefix cache in device and host memory (--host-cache-gb), each rank its own "
+                              "heads' and layers' blocks")
         if self.world_size > 1 and self.activation_sparsity > 0:
             raise ConfigError("activation_sparsity", "the thresholds apply to one process's model; a model split over "
                               "ranks runs dense (activation_sparsity 0)")

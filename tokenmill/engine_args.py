@@ -145,8 +145,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {d.host_cache_gb:g} = off)")
     parser.add_argument("--disk-cache-dir", default=d.disk_cache_dir,
                         help="directory the host cache's blocks are written through to and read back from, also by a "
-                             "later server on the same model, precision and KV layout; needs --host-cache-gb "
-                             "(default: none)")
+                             "later server on the same model, precision and KV layout (a clean shutdown writes the "
+                             "blocks still cached too); needs --host-cache-gb, refused with --tensor-parallel-size or "
+                             "--pipeline-parallel-size above 1 (default: none)")
     parser.add_argument("--disk-cache-gb", type=float, default=d.disk_cache_gb,
                         help=f"most GiB of block files in --disk-cache-dir, least recently used deleted first "
                              f"(default: {d.disk_cache_gb:g})")
