@@ -501,9 +501,10 @@ def random_q4_k_record(out_features: int, in_features: int, g: torch.Generator):
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 64])
 def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
-    """At width 8 (avx2 to avx512_vnni) a Q4_K record runs on its factors (d sc, m mn, the factors in 6
-    bits: the file's 4.5 bits a weight) in place of bf16 scales and mins: the products of the exact fp32 scales, where the
-    bf16 pairs' are off by their rounding. At avx512_bf16 (tiles of 16) the pairs stay."""
+    """A Q4_K record runs on its factors (scale d sc, min m mn) in place of bf16 scales and mins:
+    the products of the exact fp32 scales, where the bf16 pairs' are off by their rounding. At
+    width 8 (avx2 to avx512_vnni) the factors in 6 bits (the file's 4.5 bits a weight); at
+    avx512_bf16 (tiles of 16) a byte each (4.625 bits), x in bf16 and y rounded once to bf16."""
     from tokenmill.layers.linear import Int4Linear
 
     g = torch.Generator().manual_seed(rows)
@@ -511,14 +512,22 @@ def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
     layer = Int4Linear(record, None, level)
     pairs = Int4Linear({k: record[k] for k in ("codes", "scales", "mins")}, None, level)
     x = activations(level, rows, 768, g)
+    got = level.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, 32)
+    assert torch.equal(layer(x), got)
     if level.native_bf16():
-        assert layer.kernel_pairs.dtype == torch.bfloat16 and torch.equal(layer(x), pairs(x))
+        assert layer.kernel_pairs.dtype == torch.uint8 and layer.kernel_pairs.shape == (3, 3, 320)
+        # bits a weight beside its 4-bit code: 0.625 (the bf16 pairs: 1)
+        assert layer.kernel_pairs.numel() * 8 / (48 * 768) == 0.625
+        expected = x.double() @ (codes * scales + mins).double().t()
+        # one rounding to bf16 (half an ulp: at most 2^-8 of the value) and fp32 sums of exact products
+        error = (got.double() - expected).abs() - expected.abs() * 2.0**-8
+        assert error.max().item() < 1e-5 * expected.abs().max().item()
+        wrong = Int4Linear(record | {"factors": record["factors"].roll(1, dims=0)}, None, level)
+        assert not torch.allclose(wrong(x).double(), expected, rtol=0.01, atol=0.01 * expected.abs().max().item())
         return
     assert layer.kernel_pairs.dtype == torch.uint8 and layer.kernel_pairs.shape == (6, 3, 128)
     # bits a weight beside its 4-bit code: 0.5 (the bf16 pairs: 1)
     assert layer.kernel_pairs.numel() * 8 / (48 * 768) == 0.5 and pairs.kernel_pairs.numel() * 16 / (48 * 768) == 1
-    got = level.int4_linear(x, layer.kernel_codes, layer.kernel_pairs, 32)
-    assert torch.equal(layer(x), got)
     expected = (int8_blocks(x).double() @ ((codes - 8) * scales).double().t()
                 + x.double() @ (mins + 8 * scales).double().t())
     exact_error = (got.double() - expected).abs().max().item()
@@ -527,17 +536,25 @@ def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
 
 
 def test_int4_factors_beyond_6_bits_keep_the_bf16_pairs(level):
-    """The super-block table holds 6-bit factors: a record with a wider one (not from a Q4_K
-    file) runs on bf16 pairs, with the same results as without its factors."""
+    """The avx2 super-block table holds 6-bit factors: a record with a wider one (not from a Q4_K
+    file) runs on bf16 pairs there, with the same results as without its factors. The
+    avx512_bf16 table holds a byte a factor, and takes it."""
     from tokenmill.layers.linear import Int4Linear
 
     g = torch.Generator().manual_seed(0)
-    _, record, _, _ = random_q4_k_record(16, 256, g)
+    codes, record, scales, mins = random_q4_k_record(16, 256, g)
     record["factors"][3, 5, 1] = 64
+    record["mins"][3, 5] = record["super_factors"][3, 0, 1].float() * 64
     layer = Int4Linear(record, None, level)
     pairs = Int4Linear({k: record[k] for k in ("codes", "scales", "mins")}, None, level)
-    assert layer.kernel_pairs.dtype == torch.bfloat16
     x = activations(level, 2, 256, g)
+    if level.native_bf16():
+        assert layer.kernel_pairs.dtype == torch.uint8
+        mins = record["mins"].repeat_interleave(32, 1)
+        expected = x.double() @ (codes * scales + mins).double().t()
+        torch.testing.assert_close(layer(x).double(), expected, rtol=2.0**-8, atol=1e-6)
+        return
+    assert layer.kernel_pairs.dtype == torch.bfloat16
     assert torch.equal(layer(x), pairs(x))
 
 

@@ -8,12 +8,14 @@
 // group of `group_size` input channels (q = 0..15), one kernel for every row count over a layout
 // made for vdpbf16ps: output channels in tiles of 16; per tile and quad of input channels
 // 4i .. 4i + 3, 32 bytes where byte 2c + j holds q(c, 4i + j) | q(c, 4i + 2 + j) << 4 (c: the
-// channel in the tile, j = 0, 1). Widened (vpmovzxbw, a 16-entry bf16 table of 0..15), the low
-// nibbles are the 16 channels' pairs (4i, 4i + 1), the high ones their pairs (4i + 2, 4i + 3):
-// each meets one broadcast pair of x in a vdpbf16ps (exact products, fp32 sums, 16 channels at
-// once, no horizontal sums). Per group the sums take the group's 16 scales (an FMA) and
-// min * sum(x of the group) (another); scales and mins are bf16 [tiles, groups, 32] (16 scales,
-// then 16 mins). Up to kSingleTileRows rows one tile at a time widens its codes as it goes;
+// channel in the tile, j = 0, 1). Widened (vpmovzxbw, then each nibble as the bf16 128 + q by
+// bitwise ops, biased_low_nibbles), the low nibbles are the 16 channels' pairs (4i, 4i + 1), the
+// high ones their pairs (4i + 2, 4i + 3): each meets one broadcast pair of x in a vdpbf16ps
+// (exact products, fp32 sums, 16 channels at once, no horizontal sums). Per group the sums take
+// the group's 16 scales (an FMA) and (min - 128 scale) * sum(x of the group) (another); scales
+// and mins are bf16 [tiles, groups, 32] (16 scales, then 16 mins), or for a GGUF Q4_K tensor the
+// file's own factors (kInt4FactorBytes: scale = d sc, min = m mn in fp32, exact; 4.625 bits a
+// weight against the pairs' 5). Up to kSingleTileRows rows one tile at a time widens its codes as it goes;
 // above, a tile pair is widened once into a buffer that every block of rows reads (tiled_matmul).
 // int8_tiled_linear runs the same kernels over int8 tiles of 16 channels.
 // bf16_linear: a bf16 weight [N, K] as it is (DenseLinear), 32 weights per vdpbf16ps.
@@ -40,6 +42,14 @@
 
 bool gemv_supported() { return tokenmill::kAvx512Bf16Built || tokenmill::kAvx2Built; }
 bool native_bf16() { return tokenmill::kAvx512Bf16Built; }
+
+namespace {
+// At AVX-512 BF16, a Q4_K tensor's factors per tile of 16 output channels and super-block of 256
+// input channels (layers/linear.py _tiled_int4_factors): the 16 channels' d and m (fp16), then
+// per group of 32 their 16 scale factors and 16 min factors (bytes, 6 bits used): scale = d sc,
+// min = m mn, exact in fp32, 4.625 bits a weight with the codes where bf16 scales and mins take 5.
+constexpr int64_t kInt4FactorBytes = 64 + 8 * 32;
+}  // namespace
 
 #ifdef TOKENMILL_AVX512_BF16
 namespace {
@@ -74,16 +84,44 @@ struct Tiles {
   uint16_t* y;        // bf16 [M, N]
   int64_t kpairs, groups, quads_per_group, N;
   int64_t quad_bytes;  // 32 (int4) or 64 (int8)
+  // int4 from a GGUF Q4_K tensor: its own factors (kInt4FactorBytes above, per tile and
+  // super-block of 256 input channels) in place of sm's bf16 scales and mins, or null.
+  const uint8_t* super = nullptr;
   int64_t tile_bytes() const { return kpairs / 2 * quad_bytes; }
   int64_t tile_sm() const { return quad_bytes == 32 ? groups * 32 : 16; }
+  int64_t tile_super() const { return groups / 8 * kInt4FactorBytes; }
 };
 
-// One quad of a tile's codes (32 bytes at p) widened through `table`: lo = the 16 channels'
-// pairs (4i, 4i + 1), hi = their pairs (4i + 2, 4i + 3), as vdpbf16ps operands.
-inline void widen_int4_quad(const uint8_t* p, __m512i table, __m512i& lo, __m512i& hi) {
+// Group g's 16 scales and mins of the tile whose super-blocks start at p.
+inline void super_scales(const uint8_t* p, int64_t g, __m512& scale, __m512& mins) {
+  const uint8_t* head = p + g / 8 * kInt4FactorBytes;
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head + 32)));
+  const uint8_t* f = head + 64 + g % 8 * 32;
+  const auto factors = [](const uint8_t* q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  };
+  scale = _mm512_mul_ps(d, factors(f));
+  mins = _mm512_mul_ps(m, factors(f + 16));
+}
+
+// Words holding one byte each (zero-extended codes) as bf16 of 128 + their low or high nibble:
+// the bits 0x4300 | nibble, one or two bitwise ops where a 16-entry table lookup (vpermw) takes
+// a shuffle unit as widening the bytes does. x times them sums 128 sum(x) more than x times the
+// codes, which the group's min takes off (biased_mins).
+inline __m512i biased_low_nibbles(__m512i w) {
+  return _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x0F), _mm512_set1_epi16(0x4300), 0xEA);  // (w & 15) | bias
+}
+inline __m512i biased_high_nibbles(__m512i w) { return _mm512_or_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi16(0x4300)); }
+// The min to add per sum(x) of a group for sums over biased nibbles: min - 128 scale.
+inline __m512 biased_mins(__m512 scale, __m512 mins) { return _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale, mins); }
+
+// One quad of a tile's codes (32 bytes at p) as vdpbf16ps operands: lo = the 16 channels' pairs
+// (4i, 4i + 1), hi = their pairs (4i + 2, 4i + 3), as 128 + code.
+inline void widen_int4_quad(const uint8_t* p, __m512i& lo, __m512i& hi) {
   const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), table);
-  hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  lo = biased_low_nibbles(w);
+  hi = biased_high_nibbles(w);
 }
 
 // One quad of an int8 tile's codes (64 bytes at p) as the same two operands (exact in bf16).
@@ -94,11 +132,11 @@ inline void widen_int8_quad(const uint8_t* p, __m512i& lo, __m512i& hi) {
 }
 
 template <bool Int8>
-inline void widen_quad(const uint8_t* p, __m512i table, __m512i& lo, __m512i& hi) {
+inline void widen_quad(const uint8_t* p, __m512i& lo, __m512i& hi) {
   if constexpr (Int8) {
     widen_int8_quad(p, lo, hi);
   } else {
-    widen_int4_quad(p, table, lo, hi);
+    widen_int4_quad(p, lo, hi);
   }
 }
 
@@ -106,11 +144,11 @@ inline void widen_quad(const uint8_t* p, __m512i table, __m512i& lo, __m512i& hi
 // output channels of them); S accumulators per (row, tile) so that enough sums are in flight.
 // Buffered: the tiles' widened pairs from buf ([kpairs][16 T] pairs) instead of their codes.
 // (Not inlined: inlined into tiled_matmul's loops it ran at half speed from 4 to 24 rows.)
-template <bool Int8, int R, int T, int S, bool Buffered = false>
-[[gnu::noinline]] void tile_rows(const Tiles& a, int64_t m0, int64_t t0, int64_t cols, __m512i table, const uint32_t* buf = nullptr) {
+template <bool Int8, int R, int T, int S, bool Buffered = false, bool Factors = false>
+[[gnu::noinline]] void tile_rows(const Tiles& a, int64_t m0, int64_t t0, int64_t cols, const uint32_t* buf = nullptr) {
   const uint32_t* x = a.x + m0 * a.kpairs;
   const uint8_t* codes = a.codes + t0 * a.tile_bytes();
-  const uint16_t* sm = a.sm + t0 * a.tile_sm();
+  const uint16_t* sm = a.sm == nullptr ? nullptr : a.sm + t0 * a.tile_sm();
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -132,7 +170,7 @@ template <bool Int8, int R, int T, int S, bool Buffered = false>
           const uint8_t* p = codes + t * a.tile_bytes() + q * a.quad_bytes;
           _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes), _MM_HINT_T0);
           if constexpr (Int8) _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes + 32), _MM_HINT_T0);
-          widen_quad<Int8>(p, table, lo[t], hi[t]);
+          widen_quad<Int8>(p, lo[t], hi[t]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -145,8 +183,14 @@ template <bool Int8, int R, int T, int S, bool Buffered = false>
       }
     }
     for (int t = 0; t < T; ++t) {
-      const __m512 scale = bf16x16_to_fp32(sm + t * a.tile_sm() + (Int8 ? 0 : g * 32));
-      const __m512 mins = Int8 ? _mm512_setzero_ps() : bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32 + 16);
+      __m512 scale, mins;
+      if constexpr (Factors) {  // (a template argument: a run-time branch here cost 1.8x at 4 rows)
+        super_scales(a.super + (t0 + t) * a.tile_super(), g, scale, mins);
+      } else {
+        scale = bf16x16_to_fp32(sm + t * a.tile_sm() + (Int8 ? 0 : g * 32));
+        mins = Int8 ? _mm512_setzero_ps() : bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32 + 16);
+      }
+      if constexpr (!Int8) mins = biased_mins(scale, mins);
       for (int r = 0; r < R; ++r) {
         __m512 d = dot[r][t][0];
         if constexpr (S == 2) d = _mm512_add_ps(d, dot[r][t][1]);
@@ -181,11 +225,8 @@ void with_rows_up_to_8(int64_t rows, const F& f) {
 // thread reads fastest), widened as it goes, up to 8 rows a pass (one row: two accumulators per
 // tile). More: a tile pair widened once into a buffer that blocks of kBufferRows rows read (an
 // odd last tile alone, the same way).
-template <bool Int8>
+template <bool Int8, bool Factors = false>
 void tiled_matmul(const Tiles& a, int64_t M) {
-  alignas(64) uint16_t table_bits[32];
-  for (int i = 0; i < 32; ++i) table_bits[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
-  const __m512i table = _mm512_load_si512(table_bits);
   const int64_t tiles = a.N / 16, per_item = M <= kSingleTileRows ? 1 : 2;
   const bool buffered = per_item == 2;
   at::parallel_for(0, (tiles + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
@@ -193,26 +234,26 @@ void tiled_matmul(const Tiles& a, int64_t M) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t0 = item * per_item, n = std::min(per_item, tiles - t0);
       if (M == 1) {
-        tile_rows<Int8, 1, 1, 2>(a, 0, t0, 16, table);
+        tile_rows<Int8, 1, 1, 2, false, Factors>(a, 0, t0, 16);
       } else if (n == 2) {
         const uint8_t* codes = a.codes + t0 * a.tile_bytes();
         for (int64_t q = 0; q < a.kpairs / 2; ++q) {
           for (int t = 0; t < 2; ++t) {
             __m512i lo, hi;
-            widen_quad<Int8>(codes + t * a.tile_bytes() + q * a.quad_bytes, table, lo, hi);
+            widen_quad<Int8>(codes + t * a.tile_bytes() + q * a.quad_bytes, lo, hi);
             _mm512_storeu_si512(buf.data() + (2 * q) * 32 + 16 * t, lo);
             _mm512_storeu_si512(buf.data() + (2 * q + 1) * 32 + 16 * t, hi);
           }
         }
         for (int64_t m0 = 0; m0 < M; m0 += kBufferRows) {
           with_rows_up_to_8(std::min(kBufferRows, M - m0), [&](auto r) {
-            tile_rows<Int8, decltype(r)::value, 2, 1, true>(a, m0, t0, 32, table, buf.data());
+            tile_rows<Int8, decltype(r)::value, 2, 1, true, Factors>(a, m0, t0, 32, buf.data());
           });
         }
       } else {
         for (int64_t m0 = 0; m0 < M; m0 += kTileRowsPerPass) {
           with_rows_up_to_8(std::min(kTileRowsPerPass, M - m0), [&](auto r) {
-            tile_rows<Int8, decltype(r)::value, 1, 2>(a, m0, t0, 16, table);
+            tile_rows<Int8, decltype(r)::value, 1, 2, false, Factors>(a, m0, t0, 16);
           });
         }
       }
@@ -474,8 +515,9 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
 // int4_linear's weight in the level's tiles of `width` output channels (layers/linear.py
 // _tiled_int4_layout): AVX-512 BF16 width 16 (the layout above), AVX2 width 8
 // (cpu_gemv_avx2.cpp); packed [N/width, K width/64, 32] uint8, pairs [N/width, K/group_size,
-// 2 width] bf16, or at width 8 a Q4_K tensor's super-blocks (_tiled_int4_super_blocks: uint8
-// [N/8, K/256, 128], group_size 32). Returns N.
+// 2 width] bf16, or a Q4_K tensor's factors (group_size 32): at width 8 its super-blocks
+// (_tiled_int4_super_blocks: uint8 [N/8, K/256, 128]), at width 16 _tiled_int4_factors' table
+// (uint8 [N/16, K/256, kInt4FactorBytes]). Returns N.
 int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
@@ -483,6 +525,12 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K * width / 64 &&
                   packed.size(2) == 32,
               "packed: uint8 [N/", width, ", K/", 64 / width, ", 32]");
+  if (pairs.scalar_type() == at::kByte && width == 16) {
+    TORCH_CHECK(group_size == 32 && K % 256 == 0 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
+                    pairs.size(1) == K / 256 && pairs.size(2) == kInt4FactorBytes,
+                "factors: uint8 [N/16, K/256, ", kInt4FactorBytes, "] at width 16 (AVX-512 BF16), group_size 32");
+    return packed.size(0) * width;
+  }
   if (pairs.scalar_type() == at::kByte) {
     TORCH_CHECK(width == 8 && group_size == 32 && K % 256 == 0 && pairs.dim() == 3 &&
                     pairs.size(0) == packed.size(0) && pairs.size(1) == K / 256 &&
@@ -516,10 +564,16 @@ at::Tensor int4_avx512(const at::Tensor& x, const at::Tensor& packed, const at::
       xs[m * groups + g] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
-  const Tiles a{reinterpret_cast<const uint32_t*>(xb), xs.data(), packed.data_ptr<uint8_t>(),
-                reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>()),
-                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, groups, group_size / 4, N, 32};
-  tiled_matmul<false>(a, M);
+  const bool factors = pairs.scalar_type() == at::kByte;
+  Tiles a{reinterpret_cast<const uint32_t*>(xb), xs.data(), packed.data_ptr<uint8_t>(),
+          factors ? nullptr : reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>()),
+          reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, groups, group_size / 4, N, 32};
+  if (factors) {
+    a.super = pairs.data_ptr<uint8_t>();
+    tiled_matmul<false, true>(a, M);
+  } else {
+    tiled_matmul<false>(a, M);
+  }
   return y;
 }
 #endif

@@ -313,9 +313,12 @@ class Int4Linear(QuantizedLinear):
     made. At avx512_bf16: tiles of 16 output channels for vdpbf16ps (`_tiled_int4_layout`; over
     the default model's 120 matrices on 2 cores 1.16x the kernel it replaced at 1 row, 1.2-1.5x
     from 4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows). At avx2 to avx512_vnni: tiles
-    of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`); a GGUF
-    Q4_K tensor's record brings its own factors, which the kernel reads there in place of bf16
-    scales and mins (`_tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5, and exact).
+    of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`). A GGUF
+    Q4_K tensor's record brings its own factors, which the kernels read in place of bf16 scales
+    and mins, exact: at avx2 to avx512_vnni in 6 bits (`_tiled_int4_super_blocks`: the file's 4.5
+    bits a weight against 5), at avx512_bf16 a byte each (`_tiled_int4_factors`: 4.625 bits; on
+    Qwen2.5-Coder-1.5B's shapes, weights in memory, 0.94-0.97x the time of bf16 pairs at 1-2 rows,
+    1.0-1.05x at 4-8, where the kernel is bound by its arithmetic).
 
     On CUDA the kernel is `cuda_int4_kernel`'s by row count and `cuda_rows`: PyTorch's tinygemm
     (`_weight_int4pack_mm`) for few rows where the shape fits it (group size 32-256,
@@ -370,8 +373,9 @@ class Int4Linear(QuantizedLinear):
             width = _tile_width(kernels)
             self.kernel_codes = _tiled_int4_layout(record["codes"], width)
             self.kernel_pairs = None
-            if "super_factors" in record and width == 8 and self.group_size == 32 and self.in_features % 256 == 0:
-                self.kernel_pairs = _tiled_int4_super_blocks(record["factors"], record["super_factors"])
+            if "super_factors" in record and self.group_size == 32 and self.in_features % 256 == 0:
+                self.kernel_pairs = (_tiled_int4_super_blocks(record["factors"], record["super_factors"]) if width == 8
+                                     else _tiled_int4_factors(record["factors"], record["super_factors"]))
             if self.kernel_pairs is None:
                 self.kernel_pairs = _tiled_int4_pairs(scales, mins, width)
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
@@ -569,6 +573,19 @@ def _tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor)
     high = top[..., :32] | top[..., 32:64] << 2 | top[..., 64:96] << 4 | top[..., 96:] << 6
     heads = super_factors.to(torch.float16).reshape(n // 8, 8, supers, 2).permute(0, 2, 3, 1).contiguous()
     return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 32), low, high], dim=2).contiguous()
+
+
+def _tiled_int4_factors(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
+    """A Q4_K record's factors (uint8 [N, K/32, 2]: each group's scale and min factor; float16
+    [N, K/256, 2]: each super-block's d and m, scale = d sc, min = m mn; models/gguf_blocks.py)
+    in the AVX-512 BF16 int4 kernel's table (csrc/cpu_gemv.cpp kInt4FactorBytes), in place of the
+    bf16 pairs: uint8 [N/16, K/256, 320], per tile of 16 output channels and super-block its 16 d
+    and 16 m (fp16), then per group its 16 scale factors and 16 min factors, a byte each."""
+    n, groups = factors.shape[:2]
+    supers = groups // 8
+    heads = super_factors.to(torch.float16).reshape(n // 16, 16, supers, 2).permute(0, 2, 3, 1).contiguous()
+    per_group = factors.reshape(n // 16, 16, supers, 8, 2).permute(0, 2, 3, 4, 1).reshape(n // 16, supers, 256)
+    return torch.cat([heads.view(torch.uint8).reshape(n // 16, supers, 64), per_group], dim=2).contiguous()
 
 
 def _tile_width(kernels) -> int:
