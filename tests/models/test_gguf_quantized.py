@@ -342,6 +342,20 @@ def test_a_tied_q6_k_embedding_stays_int6_and_is_the_heads_record(tmp_path, monk
     assert_prompt_logprobs_close(auto, dense, seed=7)
 
 
+def test_activation_sparsity_takes_a_model_whose_embedding_stays_quantized(tmp_path, monkeypatch):
+    """A quantized token embedding (a Q6_K one stays int6, without a weight tensor) does not stop
+    activation sparsity from being turned on: its thresholds go where the model's weights are."""
+    from tokenmill.layers.embedding import QuantizedEmbedding
+
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 256, "intermediate_size": 256}), tie_word_embeddings=True)
+    auto, _ = engines_at(tmp_path, monkeypatch, config, {"token_embd.weight": T.Q6_K})
+    model = auto.engine.core.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    thresholds = torch.full((len(model.layers), 4), 0.5)
+    model.enable_activation_sparsity(thresholds)
+    assert torch.equal(model.sparsity_thresholds, thresholds)
+
+
 def test_a_fused_qkv_of_q4_k_and_q6_k_runs_each_part_as_stored(tmp_path, monkeypatch):
     """A Q4_K_M file's qkv (q, k Q4_K, v Q6_K) at avx2: a StackedLinear of an int4 layer (q and k
     rows, on the file's factors) and an int6 one (v rows) instead of all of it in int8, in the

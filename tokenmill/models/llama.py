@@ -259,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
         shape = (len(self.layers), len(LINEAR_INPUTS))
         if tuple(thresholds.shape) != shape:
             raise ValueError(f"activation sparsity: thresholds of shape {tuple(thresholds.shape)}, expected {shape}")
-        self.sparsity_thresholds = thresholds.to(device=self.embed_tokens.weight.device, dtype=torch.float32)
+        # (the final norm's weight: the embedding may be a quantized one, without a weight tensor)
+        self.sparsity_thresholds = thresholds.to(device=self.norm.weight.device, dtype=torch.float32)
         self.sparsify_prefill = prefill
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
