@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.layers.sampler import Sampler, SamplingRow
-from tokenmill.spec_decode.rejection import rejection_sample
+from tokenmill.spec_decode.rejection import RejectionSampler, rejection_sample
 from tokenmill.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -20,7 +20,7 @@ def rows_for(params, num_rows, output=()):
 def test_greedy_accepts_drafts_while_they_equal_the_argmax():
     logits = torch.full((4, 8), -5.0)
     logits[0, 3] = logits[1, 5] = logits[2, 6] = logits[3, 1] = 5.0  # argmax after each draft
-    sampler = Sampler(seed=0)
+    sampler = RejectionSampler(Sampler(seed=0))
     out = sampler.verify(logits, rows_for(GREEDY, 4), [[3, 5, 6]])
     assert out.token_ids == [[3, 5, 6, 1]]  # all accepted + the bonus token
     out = sampler.verify(logits, rows_for(GREEDY, 4), [[3, 2, 6]])
@@ -34,8 +34,8 @@ def test_several_requests_of_different_draft_lengths_in_one_batch():
     for row, token in enumerate([2, 4, 7, 1, 0, 3]):
         logits[row, token] = 5.0
     # request 0: rows 0-2, drafts [2, 4]; request 1: row 3, no drafts; request 2: rows 4-5, drafts [6]
-    out = Sampler(seed=0).verify(logits, rows_for(GREEDY, 3) + rows_for(GREEDY, 1) + rows_for(GREEDY, 2),
-                                 [[2, 4], [], [6]])
+    rows = rows_for(GREEDY, 3) + rows_for(GREEDY, 1) + rows_for(GREEDY, 2)
+    out = RejectionSampler(Sampler(seed=0)).verify(logits, rows, [[2, 4], [], [6]])
     assert out.token_ids == [[2, 4, 7], [1], [0]]
 
 
@@ -67,7 +67,7 @@ def test_rejection_sample_with_draft_probabilities():
 
 def test_verify_checks_the_row_count():
     with pytest.raises(ValueError, match="rows"):
-        Sampler().verify(torch.zeros(3, 4), rows_for(GREEDY, 3), [[1]])
+        RejectionSampler(Sampler()).verify(torch.zeros(3, 4), rows_for(GREEDY, 3), [[1]])
 
 
 def _two_sample_chi2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,7 +117,7 @@ def test_speculative_sampling_matches_plain_sampling(params, with_draft_probs):
     # The row after a draft: logits1 are used whatever the draft was (a model whose next-token
     # distribution ignores the previous token), so the second token's law is known.
     logits = torch.stack([logits0, logits1]).repeat(N, 1)
-    spec = Sampler(seed=2).verify(logits, [row, row1] * N, [[d] for d in drafts], draft_probs)
+    spec = RejectionSampler(Sampler(seed=2)).verify(logits, [row, row1] * N, [[d] for d in drafts], draft_probs)
     first_spec = torch.tensor([t[0] for t in spec.token_ids])
     second_spec = torch.tensor([t[1] for t in spec.token_ids if len(t) == 2])
     assert 0.05 * N < len(second_spec) < N  # some drafts accepted, some rejected

@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.layers.sampler import AllowedTokens, Sampler, SamplingRow
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.rejection import RejectionSampler
 from tokenmill.structured.bitmask import allocate_bitmask, apply_bitmask_, masked, num_words
 
 
@@ -91,7 +92,7 @@ def test_verify_rejects_a_draft_its_row_does_not_allow():
     rows = rows_of([SamplingParams(temperature=0.0)] * 3)
     # Drafts [10, 10]: row 1 (after draft 0) does not allow 10, only 11.
     allowed = AllowedTokens([0, 1, 2], bitmask_of([[10, 11], [11], list(range(vocab_size))], vocab_size))
-    out = Sampler().verify(logits, rows, [[10, 10]], None, allowed)
+    out = RejectionSampler(Sampler()).verify(logits, rows, [[10, 10]], None, allowed)
     assert out.token_ids == [[10, 11]]
 
 

@@ -39,7 +39,6 @@ import torch
 
 from tokenmill.layers.uploads import to_device
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.rejection import SpecSamplerOutput, rejection_sample
 from tokenmill.structured.bitmask import apply_bitmask_, masked
 
 _MASK64 = (1 << 64) - 1
@@ -95,7 +94,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  allowed: AllowedTokens | None = None) -> SamplerOutput:
-        _check_rows(logits, rows)
+        check_rows(logits, rows)
         need = _Needs.of(rows)
         if need.all_greedy and not (need.processing or need.logprobs):
             # bf16/fp16 -> fp32 is exact and monotonic, so no conversion is needed (a grammar's
@@ -115,14 +114,14 @@ class Sampler:
 
         if not need.logprobs:
             return SamplerOutput(token_ids.tolist(), None, None)
-        logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
+        logprobs, top_logprobs = gather_logprobs(raw, token_ids, rows)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
 
     def probs(self, logits: torch.Tensor, rows: list[SamplingRow], allowed: AllowedTokens | None = None) -> torch.Tensor:
         """[num_rows, vocab_size] fp32: the distribution each row's token is drawn from, after
         every stage above, normalized. A greedy row is one-hot at its argmax (the token the
         sampler would pick), so exact tests on it give greedy decoding."""
-        _check_rows(logits, rows)
+        check_rows(logits, rows)
         need = _Needs.of(rows)
         raw = logits.float()
         x = _process(raw, rows, need, allowed, scratch=raw.data_ptr() != logits.data_ptr())
@@ -144,58 +143,6 @@ class Sampler:
         proposals. Seeded rows draw from (seed, output position) on their own stream."""
         noise = self._exponential_noise(probs, [row.params for row in rows], rows, stream=_DRAFT_STREAM)
         return (probs / noise).argmax(dim=-1).tolist()
-
-    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]],
-               draft_probs: torch.Tensor | None = None, allowed: AllowedTokens | None = None) -> SpecSamplerOutput:
-        """Speculative decoding: accept or reject each request's draft tokens, keeping the
-        distribution of every emitted token exactly what `__call__` would sample.
-
-        Request r contributes k_r = len(draft_token_ids[r]) + 1 consecutive rows of `logits`
-        and `rows`: row i scores the token after draft i (row 0: after the request's last real
-        token), and its SamplingRow's output_token_ids already include drafts 0..i-1.
-        `draft_probs` [total drafts, vocab_size] is the draft model's distribution q for each
-        draft token; None means one-hot q (drafts proposed without probabilities, e.g. n-gram).
-        `allowed` constrains rows like `__call__`'s: a draft its row does not allow has p = 0 and
-        is rejected, and the token drawn instead is one the row allows.
-        Returns per request the accepted drafts plus one token drawn by the target (a correction
-        from the residual distribution, or a bonus token after a fully accepted draft)."""
-        _check_rows(logits, rows)
-        target = self.probs(logits, rows, allowed)
-        num_drafts = [len(d) for d in draft_token_ids]
-        if sum(num_drafts) + len(num_drafts) != len(rows):
-            raise ValueError(f"{len(rows)} rows for {len(num_drafts)} requests with {sum(num_drafts)} drafts")
-        # Randomness per request: one uniform per draft, one Exp(1) row for its final token.
-        # A request with a seed draws them from (seed, output position) like __call__ does.
-        device = logits.device
-        vocab_size = logits.shape[1]
-        uniforms = torch.empty(sum(num_drafts), device=device)
-        noise = torch.empty(len(num_drafts), vocab_size, device=device)
-        shared = self._generator(self._shared_generators, device)
-        uniforms.uniform_(generator=shared)
-        noise.uniform_(generator=shared)
-        start = draft_start = 0
-        for r, k in enumerate(num_drafts):
-            params, row = rows[start].params, rows[start]
-            if params.seed is not None:
-                gen = self._generator(self._row_generators, device)
-                gen.manual_seed(_row_seed(params.seed, len(row.output_token_ids)) ^ _SPEC_STREAM)
-                uniforms[draft_start : draft_start + k].uniform_(generator=gen)
-                noise[r].uniform_(generator=gen)
-            start += k + 1
-            draft_start += k
-        token_ids, first_rows = rejection_sample(target, draft_token_ids, draft_probs, uniforms, noise.log_().neg_())
-        out = SpecSamplerOutput(token_ids, None, None)
-        if any(row.params.logprobs is not None for row in rows):
-            emitted_rows = [first + i for first, tokens in zip(first_rows, token_ids) for i in range(len(tokens))]
-            rows_t, flat = to_device([emitted_rows, [t for tokens in token_ids for t in tokens]], torch.long, device)
-            lps, tops = _gather_logprobs(logits[rows_t].float(), flat, [rows[i] for i in emitted_rows])
-            out.logprobs, out.top_logprobs = [], []
-            i = 0
-            for tokens in token_ids:
-                out.logprobs.append(lps[i : i + len(tokens)])
-                out.top_logprobs.append(tops[i : i + len(tokens)])
-                i += len(tokens)
-        return out
 
     def _sample_mixed(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [num_rows, vocab_size] processed logits, at least one row non-greedy."""
@@ -268,6 +215,18 @@ class Sampler:
                 noise[i].uniform_(generator=gen)
         return noise.log_().neg_()
 
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from (seeded from the sampler's seed, or at random)."""
+        return self._generator(self._shared_generators, device)
+
+    def row_generator(self, device: torch.device, seed: int, position: int, stream: int) -> torch.Generator:
+        """The per-row generator, seeded from (request seed, output position) xor `stream` only:
+        a seeded request's draws for another purpose than plain sampling (verification) use their
+        own `stream`, so they are not the numbers `__call__` draws at that position."""
+        gen = self._generator(self._row_generators, device)
+        gen.manual_seed(_row_seed(seed, position) ^ stream)
+        return gen
+
     def _generator(
         self, cache: dict[torch.device, torch.Generator], device: torch.device
     ) -> torch.Generator:
@@ -299,13 +258,12 @@ def _row_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
 
 
-# Mixed into a seeded row's generator seed for speculative verification, so its draws are not
+# Mixed into a seeded row's generator seed for a draft model's proposals, so its draws are not
 # the same numbers __call__ would draw at that position.
-_SPEC_STREAM = 0x5BEC_DEC0DE
 _DRAFT_STREAM = 0xD8AF7
 
 
-def _check_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def check_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
 
@@ -564,7 +522,7 @@ def _top_k_top_p_threshold(
     return torch.maximum(k_threshold, p_threshold), resolved[:, 0]
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """raw: [num_rows, vocab_size] fp32 logits as passed in. logprob = logit - logsumexp, which

@@ -8,7 +8,8 @@ requests whose known tokens are now all computed, and those rows are sampled.
 
 A request verifying draft tokens (speculative decoding) contributes its last token and its k
 drafts as one causal chunk (the prefill path of the attention backend); its k + 1 logit rows go
-through `Sampler.verify`, and the runner then proposes the next step's drafts.
+through spec_decode's `RejectionSampler`, and the runner then proposes the next step's drafts
+(spec_decode/: the model-free proposers, or the draft model's `DraftModelProposer`).
 
 Structured output: a request with a grammar has a `GrammarMatcher` that follows its output
 tokens. Before sampling, the constrained rows' allowed-token bitmasks are filled into one tensor
@@ -44,7 +45,9 @@ from tokenmill.models.registry import resolve_model
 from tokenmill.models.streaming import load_streaming
 from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantized_tensors
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.proposers import make_proposer
+from tokenmill.spec_decode.rejection import RejectionSampler
 from tokenmill.structured.bitmask import allocate_bitmask
 from tokenmill.structured.matcher import GrammarMatcher, MaskFiller
 from tokenmill.worker.block_copies import copy_blocks, swap_blocks
@@ -173,15 +176,17 @@ class ModelRunner:
             if self.cpu_kernels is not None and getattr(m.attn_backend, "kernels", None) is self.cpu_kernels:
                 m.enable_cpu_decoder(self.cpu_kernels)
         self.sampler = Sampler(seed=config.seed, kernels=self.cpu_kernels)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.mask_filler = MaskFiller(torch.get_num_threads())  # structured output's bitmasks
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer = make_proposer(config)  # n-gram or suffix drafts (None: off, or the draft model's)
         self.disk_store: DiskBlockStore | None = None  # the disk tier, made last (below): none in the profiled step
         # Each step's integer inputs, uploaded at once (layers/step_inputs.py), sized for a full
-        # token budget's ids, positions and slots; the draft model's catch-up and proposal passes
-        # have their own, as the step's inputs are read again by the draft forward after the catch-up.
+        # token budget's ids, positions and slots.
         self.step_inputs = StepInputs(self.device, capacity=3 * config.max_num_batched_tokens + config.max_num_seqs)
-        self.draft_inputs = StepInputs(self.device) if self.draft_model is not None else None
+        self.drafter = None if self.draft_model is None else DraftModelProposer(
+            self.draft_model, self.sampler, self.block_size, max_model_len, self.device, self._metadata,
+            self._sampling_row, self._allowed_tokens)
         # Decode-only steps replayed from CUDA graphs (worker/cuda_graphs.py), or why not.
         self.graphs_unavailable = decode_graphs_unavailable(config, self.model.config, self.device.type)
         if self.graphs_unavailable is not None and self.device.type == "cuda":
@@ -592,8 +597,7 @@ class ModelRunner:
         if drafted:
             # The draft model's K/V follows every computed token while anyone speculates (under
             # load no draft model runs, and requests catch up here once speculation resumes).
-            self._catch_up_draft_kv(order)
-            self.draft_model(input_t, positions_t, self.draft_kv_caches, meta)
+            self.drafter.forward(self.requests, order, input_t, positions_t, meta, self.draft_kv_caches)
         for req_id, num_new in order:
             state = self.requests[req_id]
             state.num_computed_tokens += num_new
@@ -635,7 +639,8 @@ class ModelRunner:
                 if drafts:
                     out.spec_token_ids[req_id] = drafts
         elif sched.propose_drafts and self.draft_model is not None:
-            self._propose_with_draft_model(list(out.sampled_token_ids), sched.num_drafts_to_propose, out)
+            out.spec_token_ids.update(self.drafter.propose(self.requests, list(out.sampled_token_ids),
+                                                           sched.num_drafts_to_propose, self.draft_kv_caches))
         return out
 
     def _metadata(self, model, layout: BatchLayout, inputs: StepInputs):
@@ -645,90 +650,6 @@ class ModelRunner:
         if self.attention_backend == "triton":
             return model.attn_backend.build_metadata(layout, self.device, inputs)
         return model.attn_backend.build_metadata(layout, self.device)
-
-    def _catch_up_draft_kv(self, order: list[tuple[str, int]]) -> None:
-        """Write the draft model's K/V for the tokens of this step's requests that earlier steps
-        computed without it (they ran while too many requests were running to speculate): one
-        draft forward over those tokens as prefill chunks, before the step's own draft forward.
-        It is outside the step's token budget; the draft model is small."""
-        bs = self.block_size
-        tokens, positions, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
-        for req_id, _ in order:
-            state = self.requests[req_id]
-            start, end = state.draft_num_computed, state.num_computed_tokens
-            if start >= end:
-                continue
-            tokens.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            q_lens.append(end - start)
-            seq_lens.append(end)
-            tables.append(state.block_ids[: -(-end // bs)])
-            state.draft_num_computed = end
-        if not tokens:
-            return
-        inputs = self.draft_inputs
-        meta = self._metadata(self.draft_model, BatchLayout(bs, slots, [], [], q_lens, seq_lens, tables), inputs)
-        tokens_t, positions_t = inputs.longs(tokens), inputs.longs(positions)
-        inputs.upload()
-        self.draft_model(tokens_t, positions_t, self.draft_kv_caches, meta)
-
-    def _propose_with_draft_model(self, req_ids: list[str], num_drafts: dict[str, int], out: ModelRunnerOutput) -> None:
-        """Up to k drafts per request from the draft model: k batched single-token passes, pass i
-        feeding each request's newest token (then its drafts) at position P + i and sampling the
-        next draft from the draft's distribution, processed like the target's (temperature,
-        top-k/p, penalties). k is the scheduler's `num_drafts` for the request (its adaptive
-        draft length, at most the lookahead slots reserved for the drafts' K/V), cut to the
-        free slots of its blocks."""
-        bs = self.block_size
-        jobs = []  # (state, position of its newest token, number of drafts to propose)
-        for req_id in req_ids:
-            state = self.requests[req_id]
-            state.draft_probs = None
-            pos = len(state.token_ids) - 1
-            assert state.draft_num_computed == pos, f"{req_id}: draft K/V behind its tokens"
-            n = min(num_drafts.get(req_id, 0), len(state.block_ids) * bs - pos, self.max_model_len - 1 - pos)
-            if n > 0:
-                jobs.append((state, pos, n))
-        if not jobs:
-            return
-        jobs.sort(key=lambda job: job[1])  # decode groups want the shortest context first
-        drafts: list[list[int]] = [[] for _ in jobs]
-        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
-        num_drafts = [n for _, _, n in jobs]  # cut where a grammar ends (its stop token drafted)
-        inputs = self.draft_inputs
-        for i in range(max(num_drafts)):
-            active = [j for j, n in enumerate(num_drafts) if n > i]
-            if not active:
-                break
-            tokens, positions, slots, tables, seq_lens, rows = [], [], [], [], [], []
-            for j in active:
-                state, pos, _ = jobs[j]
-                p = pos + i
-                tokens.append(drafts[j][-1] if i else state.token_ids[-1])
-                positions.append(p)
-                slots.append(state.block_ids[p // bs] * bs + p % bs)
-                tables.append(state.block_ids[: p // bs + 1])
-                seq_lens.append(p + 1)
-                rows.append(self._sampling_row(state, drafts[j]))
-            meta = self._metadata(self.draft_model, BatchLayout(bs, slots, tables, seq_lens, [], [], []), inputs)
-            tokens_t, positions_t = inputs.longs(tokens), inputs.longs(positions)
-            inputs.upload()
-            hidden = self.draft_model(tokens_t, positions_t, self.draft_kv_caches, meta)
-            # A constrained request's drafts follow its grammar: q is masked like the target's p.
-            allowed = self._allowed_tokens([jobs[j][0] for j in active])
-            q = self.sampler.probs(self.draft_model.compute_logits(hidden), rows, allowed)
-            for j, token, row_q in zip(active, self.sampler.sample_from(q, rows), q):
-                drafts[j].append(token)
-                probs[j].append(row_q)
-                grammar = jobs[j][0].grammar
-                if grammar is not None and (not grammar.accept([token]) or grammar.is_terminated):
-                    num_drafts[j] = i + 1
-        for (state, _, _), d, q in zip(jobs, drafts, probs):
-            if state.grammar is not None:  # back to the state after the request's real tokens
-                state.grammar.rollback(state.grammar.num_accepted - (len(state.token_ids) - state.num_prompt_tokens))
-            state.draft_probs = torch.stack(q)
-            out.spec_token_ids[state.req_id] = d
 
     def _verify(self, logits: torch.Tensor, jobs: list[tuple[str, int, list[int]]], out: ModelRunnerOutput) -> None:
         """Accept or reject the drafts of `jobs` (logits: each job's 1 + k rows, in order)."""
@@ -740,7 +661,7 @@ class ModelRunner:
         if self.draft_model is not None:
             draft_probs = torch.cat([self.requests[req_id].draft_probs[: len(drafts)] for req_id, _, drafts in jobs])
         allowed = self._allowed_draft_tokens([(self.requests[req_id], drafts) for req_id, _, drafts in jobs])
-        verified = self.sampler.verify(logits, rows, [drafts for _, _, drafts in jobs], draft_probs, allowed)
+        verified = self.rejection_sampler.verify(logits, rows, [drafts for _, _, drafts in jobs], draft_probs, allowed)
         for j, (req_id, _, drafts) in enumerate(jobs):
             state = self.requests[req_id]
             tokens = verified.token_ids[j]
