@@ -178,7 +178,7 @@ class Sampler:
         # (seeded rows leave the shared generator where it was, as on the PyTorch path)
         num_unseeded = sum(p.seed is None for p in params)
         draws = iter(torch.randint(-(2**63), 2**63 - 1, (num_unseeded,), dtype=torch.int64,
-                                   generator=self._generator(self._shared_generators, x.device)).tolist()
+                                   generator=self.shared_generator(x.device)).tolist()
                      if num_unseeded else ())
         keys = torch.tensor([next(draws) if p.seed is None else _signed64(_row_seed(p.seed, len(row.output_token_ids)))
                              for p, row in zip(params, rows)], dtype=torch.int64)
@@ -207,12 +207,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if len(seeded) < len(params):
-            noise.uniform_(generator=self._generator(self._shared_generators, device))
-        if seeded:
-            gen = self._generator(self._row_generators, device)
-            for i in seeded:
-                gen.manual_seed(_row_seed(params[i].seed, len(rows[i].output_token_ids)) ^ stream)
-                noise[i].uniform_(generator=gen)
+            noise.uniform_(generator=self.shared_generator(device))
+        for i in seeded:
+            noise[i].uniform_(generator=self.row_generator(device, params[i].seed, len(rows[i].output_token_ids), stream))
         return noise.log_().neg_()
 
     def shared_generator(self, device: torch.device) -> torch.Generator:
