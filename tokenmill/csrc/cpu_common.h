@@ -95,6 +95,21 @@ void with_row_count(int64_t rows, const F& f) {
   }
 }
 
+// f(std::integral_constant<int, r>) for 1 <= rows <= 8 (8 for more).
+template <typename F>
+void with_rows_up_to_8(int64_t rows, const F& f) {
+  switch (rows) {
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }

@@ -4,20 +4,20 @@
 // compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere gemv_supported() is
 // false and the linears keep PyTorch's kernels.
 //
-// int4_linear: weight-only int4 (layers/linear.py Int4Linear), w = q * scale + min per
-// group of `group_size` input channels (q = 0..15), one kernel for every row count over a layout
-// made for vdpbf16ps: output channels in tiles of 16; per tile and quad of input channels
-// 4i .. 4i + 3, 32 bytes where byte 2c + j holds q(c, 4i + j) | q(c, 4i + 2 + j) << 4 (c: the
-// channel in the tile, j = 0, 1). Widened (vpmovzxbw, then each nibble as the bf16 128 + q by
-// bitwise ops, biased_low_nibbles), the low nibbles are the 16 channels' pairs (4i, 4i + 1), the
-// high ones their pairs (4i + 2, 4i + 3): each meets one broadcast pair of x in a vdpbf16ps
-// (exact products, fp32 sums, 16 channels at once, no horizontal sums). Per group the sums take
-// the group's 16 scales (an FMA) and (min - 128 scale) * sum(x of the group) (another); scales
-// and mins are bf16 [tiles, groups, 32] (16 scales, then 16 mins), or for a GGUF Q4_K tensor the
-// file's own factors (kInt4FactorBytes: scale = d sc, min = m mn in fp32, exact; 4.625 bits a
-// weight against the pairs' 5). Up to kSingleTileRows rows one tile at a time widens its codes as it goes;
-// above, a tile pair is widened once into a buffer that every block of rows reads (tiled_matmul).
-// int8_tiled_linear runs the same kernels over int8 tiles of 16 channels.
+// int4_linear: weight-only int4 (layers/linear.py Int4Linear), w = q * scale + min per group of
+// `group_size` input channels (q = 0..15): at this level cpu_gemv_avx2.cpp's int4_wide_linear,
+// tiles of 16 output channels, x quantized to int8 per block of 32 and multiplied with the codes
+// by vpdpbusd (64 products an instruction, where vdpbf16ps on bf16 activations takes 32 and the
+// codes widen to bf16 first: at 4-64 rows 1.1-1.3x the time of the bf16 kernel it replaced).
+// int8_tiled_linear: weight-only int8 over tiles of 16 output channels, one kernel for every row
+// count on a layout made for vdpbf16ps: per tile and quad of input channels 4i .. 4i + 3, 64
+// bytes, byte 2c + j of the first 32 = code(c, 4i + j), of the second code(c, 4i + 2 + j) (c:
+// the channel in the tile, j = 0, 1). Widened to bf16 (exact), the first 32 are the 16
+// channels' pairs (4i, 4i + 1), the second their pairs (4i + 2, 4i + 3): each meets one broadcast
+// pair of x in a vdpbf16ps (exact products, fp32 sums, 16 channels at once, no horizontal sums),
+// and the sums take the channels' scales once. Up to kSingleTileRows rows one tile at a time
+// widens its codes as it goes; above, a tile pair is widened once into a buffer that every block
+// of rows reads (tiled_matmul).
 // bf16_linear: a bf16 weight [N, K] as it is (DenseLinear), 32 weights per vdpbf16ps.
 // int8_linear: weight-only int8 with one scale per output row (Int8Linear, the quantized
 // configs' LM head), codes widened to fp32 16 at a time, fp32 FMAs, the scale applied once.
@@ -43,18 +43,10 @@
 bool gemv_supported() { return tokenmill::kAvx512Bf16Built || tokenmill::kAvx2Built; }
 bool native_bf16() { return tokenmill::kAvx512Bf16Built; }
 
-namespace {
-// At AVX-512 BF16, a Q4_K tensor's factors per tile of 16 output channels and super-block of 256
-// input channels (layers/linear.py _tiled_int4_factors): the 16 channels' d and m (fp16), then
-// per group of 32 their 16 scale factors and 16 min factors (bytes, 6 bits used): scale = d sc,
-// min = m mn, exact in fp32, 4.625 bits a weight with the codes where bf16 scales and mins take 5.
-constexpr int64_t kInt4FactorBytes = 64 + 8 * 32;
-}  // namespace
-
 #ifdef TOKENMILL_AVX512_BF16
 namespace {
 
-// How far ahead of their weight reads the int4 and int8 few-row kernels prefetch: without it
+// How far ahead of their weight reads the int8 few-row kernels prefetch: without it
 // the hardware prefetcher left them well below the bandwidth a plain stream reaches.
 constexpr int64_t kQuantPrefetchBytes = 8192;
 
@@ -62,161 +54,81 @@ inline __m512 bf16x16_to_fp32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// Tiled weights: up to this many rows one tile at a time, widened as it goes (up to kTileRowsPerPass rows a pass; on
-// the default model's matrices, 2 cores, Zen 5: int8 at 8 rows 141 vs 221 µs for tile pairs,
-// int4 at 12-16 rows 0.8x the time); above it tile pairs widened once into a buffer that blocks
-// of kBufferRows rows read.
+// int8 tiles: up to this many rows one tile at a time, widened as it goes (up to
+// kTileRowsPerPass rows a pass; on the default model's matrices, 2 cores, Zen 5: at 8 rows 141 vs
+// 221 µs for tile pairs); above it tile pairs widened once into a buffer that blocks of
+// kBufferRows rows read.
 constexpr int64_t kSingleTileRows = 24;
 constexpr int64_t kBufferRows = 8;
 // Rows a pass over a tile widened as it goes: each pass widens the tile's codes again, so 5 rows
 // in passes of 4 cost nearly twice 4 rows (a speculative verification of 4 drafts is 5 rows).
 constexpr int64_t kTileRowsPerPass = 8;
 
-// The tiled weights of a call and what every tile kernel shares: int4 (see the layout above)
-// or int8 (Int8 = true: per tile and quad of input channels, 64 bytes, byte 2c + j of the first
-// 32 = code(c, 4i + j), of the second code(c, 4i + 2 + j); one group; sm: the [N] bf16 scales,
-// no mins).
+// The int8 tiles of a call and what every tile kernel shares (the layout above; sm: the [N] bf16
+// scales).
 struct Tiles {
   const uint32_t* x;  // bf16 pairs, kpairs per row
-  const float* xs;    // int4: per row of x, its group sums [M, groups]
   const uint8_t* codes;
   const uint16_t* sm;
   uint16_t* y;        // bf16 [M, N]
-  int64_t kpairs, groups, quads_per_group, N;
-  int64_t quad_bytes;  // 32 (int4) or 64 (int8)
-  // int4 from a GGUF Q4_K tensor: its own factors (kInt4FactorBytes above, per tile and
-  // super-block of 256 input channels) in place of sm's bf16 scales and mins, or null.
-  const uint8_t* super = nullptr;
-  int64_t tile_bytes() const { return kpairs / 2 * quad_bytes; }
-  int64_t tile_sm() const { return quad_bytes == 32 ? groups * 32 : 16; }
-  int64_t tile_super() const { return groups / 8 * kInt4FactorBytes; }
+  int64_t kpairs, N;
+  static constexpr int64_t kQuadBytes = 64;
+  int64_t tile_bytes() const { return kpairs / 2 * kQuadBytes; }
 };
 
-// Group g's 16 scales and mins of the tile whose super-blocks start at p.
-inline void super_scales(const uint8_t* p, int64_t g, __m512& scale, __m512& mins) {
-  const uint8_t* head = p + g / 8 * kInt4FactorBytes;
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head + 32)));
-  const uint8_t* f = head + 64 + g % 8 * 32;
-  const auto factors = [](const uint8_t* q) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-  };
-  scale = _mm512_mul_ps(d, factors(f));
-  mins = _mm512_mul_ps(m, factors(f + 16));
-}
-
-// Words holding one byte each (zero-extended codes) as bf16 of 128 + their low or high nibble:
-// the bits 0x4300 | nibble, one or two bitwise ops where a 16-entry table lookup (vpermw) takes
-// a shuffle unit as widening the bytes does. x times them sums 128 sum(x) more than x times the
-// codes, which the group's min takes off (biased_mins).
-inline __m512i biased_low_nibbles(__m512i w) {
-  return _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x0F), _mm512_set1_epi16(0x4300), 0xEA);  // (w & 15) | bias
-}
-inline __m512i biased_high_nibbles(__m512i w) { return _mm512_or_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi16(0x4300)); }
-// The min to add per sum(x) of a group for sums over biased nibbles: min - 128 scale.
-inline __m512 biased_mins(__m512 scale, __m512 mins) { return _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale, mins); }
-
-// One quad of a tile's codes (32 bytes at p) as vdpbf16ps operands: lo = the 16 channels' pairs
-// (4i, 4i + 1), hi = their pairs (4i + 2, 4i + 3), as 128 + code.
-inline void widen_int4_quad(const uint8_t* p, __m512i& lo, __m512i& hi) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  lo = biased_low_nibbles(w);
-  hi = biased_high_nibbles(w);
-}
-
-// One quad of an int8 tile's codes (64 bytes at p) as the same two operands (exact in bf16).
+// One quad of a tile's codes (64 bytes at p) as vdpbf16ps operands: lo = the 16 channels' pairs
+// (4i, 4i + 1), hi = their pairs (4i + 2, 4i + 3), exact in bf16.
 inline void widen_int8_quad(const uint8_t* p, __m512i& lo, __m512i& hi) {
   const auto* c = reinterpret_cast<const int8_t*>(p);
   lo = (__m512i)_mm512_cvtne2ps_pbh(tokenmill::int8x16_to_fp32(c + 16), tokenmill::int8x16_to_fp32(c));
   hi = (__m512i)_mm512_cvtne2ps_pbh(tokenmill::int8x16_to_fp32(c + 48), tokenmill::int8x16_to_fp32(c + 32));
 }
 
-template <bool Int8>
-inline void widen_quad(const uint8_t* p, __m512i& lo, __m512i& hi) {
-  if constexpr (Int8) {
-    widen_int8_quad(p, lo, hi);
-  } else {
-    widen_int4_quad(p, lo, hi);
-  }
-}
-
 // y[r, 16 t0 .. 16 (t0 + T)) for R rows of x from row m0, T tiles from tile t0 (cols: the valid
 // output channels of them); S accumulators per (row, tile) so that enough sums are in flight.
 // Buffered: the tiles' widened pairs from buf ([kpairs][16 T] pairs) instead of their codes.
 // (Not inlined: inlined into tiled_matmul's loops it ran at half speed from 4 to 24 rows.)
-template <bool Int8, int R, int T, int S, bool Buffered = false, bool Factors = false>
+template <int R, int T, int S, bool Buffered = false>
 [[gnu::noinline]] void tile_rows(const Tiles& a, int64_t m0, int64_t t0, int64_t cols, const uint32_t* buf = nullptr) {
   const uint32_t* x = a.x + m0 * a.kpairs;
   const uint8_t* codes = a.codes + t0 * a.tile_bytes();
-  const uint16_t* sm = a.sm == nullptr ? nullptr : a.sm + t0 * a.tile_sm();
-  __m512 acc[R][T];
+  __m512 dot[R][T][S];
   for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  }
-  for (int64_t g = 0, q = 0; g < a.groups; ++g) {
-    __m512 dot[R][T][S];
-    for (int r = 0; r < R; ++r) {
-      for (int t = 0; t < T; ++t) {
-        for (int i = 0; i < S; ++i) dot[r][t][i] = _mm512_setzero_ps();
-      }
-    }
-    for (const int64_t q_end = q + a.quads_per_group; q < q_end; ++q) {
-      __m512i lo[T], hi[T];  // pairs 2q and 2q + 1 of each tile's 16 channels
-      for (int t = 0; t < T; ++t) {
-        if constexpr (Buffered) {
-          lo[t] = _mm512_loadu_si512(buf + (2 * q) * (16 * T) + 16 * t);
-          hi[t] = _mm512_loadu_si512(buf + (2 * q + 1) * (16 * T) + 16 * t);
-        } else {
-          const uint8_t* p = codes + t * a.tile_bytes() + q * a.quad_bytes;
-          _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes), _MM_HINT_T0);
-          if constexpr (Int8) _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes + 32), _MM_HINT_T0);
-          widen_quad<Int8>(p, lo[t], hi[t]);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * a.kpairs + 2 * q]));
-        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * a.kpairs + 2 * q + 1]));
-        for (int t = 0; t < T; ++t) {
-          dot[r][t][0] = _mm512_dpbf16_ps(dot[r][t][0], x0, (__m512bh)lo[t]);
-          dot[r][t][S - 1] = _mm512_dpbf16_ps(dot[r][t][S - 1], x1, (__m512bh)hi[t]);
-        }
-      }
-    }
     for (int t = 0; t < T; ++t) {
-      __m512 scale, mins;
-      if constexpr (Factors) {  // (a template argument: a run-time branch here cost 1.8x at 4 rows)
-        super_scales(a.super + (t0 + t) * a.tile_super(), g, scale, mins);
+      for (int i = 0; i < S; ++i) dot[r][t][i] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t q = 0; q < a.kpairs / 2; ++q) {
+    __m512i lo[T], hi[T];  // pairs 2q and 2q + 1 of each tile's 16 channels
+    for (int t = 0; t < T; ++t) {
+      if constexpr (Buffered) {
+        lo[t] = _mm512_loadu_si512(buf + (2 * q) * (16 * T) + 16 * t);
+        hi[t] = _mm512_loadu_si512(buf + (2 * q + 1) * (16 * T) + 16 * t);
       } else {
-        scale = bf16x16_to_fp32(sm + t * a.tile_sm() + (Int8 ? 0 : g * 32));
-        mins = Int8 ? _mm512_setzero_ps() : bf16x16_to_fp32(sm + t * a.tile_sm() + g * 32 + 16);
+        const uint8_t* p = codes + t * a.tile_bytes() + q * Tiles::kQuadBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kQuantPrefetchBytes + 32), _MM_HINT_T0);
+        widen_int8_quad(p, lo[t], hi[t]);
       }
-      if constexpr (!Int8) mins = biased_mins(scale, mins);
-      for (int r = 0; r < R; ++r) {
-        __m512 d = dot[r][t][0];
-        if constexpr (S == 2) d = _mm512_add_ps(d, dot[r][t][1]);
-        acc[r][t] = _mm512_fmadd_ps(d, scale, acc[r][t]);
-        if constexpr (!Int8) acc[r][t] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.xs[(m0 + r) * a.groups + g]), acc[r][t]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * a.kpairs + 2 * q]));
+      const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * a.kpairs + 2 * q + 1]));
+      for (int t = 0; t < T; ++t) {
+        dot[r][t][0] = _mm512_dpbf16_ps(dot[r][t][0], x0, (__m512bh)lo[t]);
+        dot[r][t][S - 1] = _mm512_dpbf16_ps(dot[r][t][S - 1], x1, (__m512bh)hi[t]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < T && cols > 16 * t; ++t) {
+  for (int t = 0; t < T; ++t) {
+    const __m512 scale = bf16x16_to_fp32(a.sm + 16 * (t0 + t));
+    for (int r = 0; r < R && cols > 16 * t; ++r) {
+      __m512 d = dot[r][t][0];
+      if constexpr (S == 2) d = _mm512_add_ps(d, dot[r][t][1]);
       const int64_t c = cols - 16 * t;
       const __mmask16 mask = c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
-      _mm256_mask_storeu_epi16(a.y + (m0 + r) * a.N + 16 * (t0 + t), mask, (__m256i)_mm512_cvtneps_pbh(acc[r][t]));
+      _mm256_mask_storeu_epi16(a.y + (m0 + r) * a.N + 16 * (t0 + t), mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(d, scale)));
     }
-  }
-}
-
-// f(std::integral_constant<int, r>) for 1 <= rows <= 8.
-template <typename F>
-void with_rows_up_to_8(int64_t rows, const F& f) {
-  switch (rows) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: tokenmill::with_row_count(rows, f); break;
   }
 }
 
@@ -225,7 +137,6 @@ void with_rows_up_to_8(int64_t rows, const F& f) {
 // thread reads fastest), widened as it goes, up to 8 rows a pass (one row: two accumulators per
 // tile). More: a tile pair widened once into a buffer that blocks of kBufferRows rows read (an
 // odd last tile alone, the same way).
-template <bool Int8, bool Factors = false>
 void tiled_matmul(const Tiles& a, int64_t M) {
   const int64_t tiles = a.N / 16, per_item = M <= kSingleTileRows ? 1 : 2;
   const bool buffered = per_item == 2;
@@ -234,26 +145,26 @@ void tiled_matmul(const Tiles& a, int64_t M) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t0 = item * per_item, n = std::min(per_item, tiles - t0);
       if (M == 1) {
-        tile_rows<Int8, 1, 1, 2, false, Factors>(a, 0, t0, 16);
+        tile_rows<1, 1, 2>(a, 0, t0, 16);
       } else if (n == 2) {
         const uint8_t* codes = a.codes + t0 * a.tile_bytes();
         for (int64_t q = 0; q < a.kpairs / 2; ++q) {
           for (int t = 0; t < 2; ++t) {
             __m512i lo, hi;
-            widen_quad<Int8>(codes + t * a.tile_bytes() + q * a.quad_bytes, lo, hi);
+            widen_int8_quad(codes + t * a.tile_bytes() + q * Tiles::kQuadBytes, lo, hi);
             _mm512_storeu_si512(buf.data() + (2 * q) * 32 + 16 * t, lo);
             _mm512_storeu_si512(buf.data() + (2 * q + 1) * 32 + 16 * t, hi);
           }
         }
         for (int64_t m0 = 0; m0 < M; m0 += kBufferRows) {
-          with_rows_up_to_8(std::min(kBufferRows, M - m0), [&](auto r) {
-            tile_rows<Int8, decltype(r)::value, 2, 1, true, Factors>(a, m0, t0, 32, buf.data());
+          tokenmill::with_rows_up_to_8(std::min(kBufferRows, M - m0), [&](auto r) {
+            tile_rows<decltype(r)::value, 2, 1, true>(a, m0, t0, 32, buf.data());
           });
         }
       } else {
         for (int64_t m0 = 0; m0 < M; m0 += kTileRowsPerPass) {
-          with_rows_up_to_8(std::min(kTileRowsPerPass, M - m0), [&](auto r) {
-            tile_rows<Int8, decltype(r)::value, 1, 2, false, Factors>(a, m0, t0, 16);
+          tokenmill::with_rows_up_to_8(std::min(kTileRowsPerPass, M - m0), [&](auto r) {
+            tile_rows<decltype(r)::value, 1, 2>(a, m0, t0, 16);
           });
         }
       }
@@ -386,7 +297,7 @@ void panel_all_rows(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t
   const auto block = [&](auto r) {
     panel_rows<decltype(r)::value>(x + m * kpairs, kpairs, buf, kpairs, scale, bias, y + m * N, N, cols);
   };
-  for (; m < M; m += 8) with_rows_up_to_8(std::min<int64_t>(8, M - m), block);
+  for (; m < M; m += 8) tokenmill::with_rows_up_to_8(std::min<int64_t>(8, M - m), block);
 }
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
@@ -527,8 +438,8 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
               "packed: uint8 [N/", width, ", K/", 64 / width, ", 32]");
   if (pairs.scalar_type() == at::kByte && width == 16) {
     TORCH_CHECK(group_size == 32 && K % 256 == 0 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
-                    pairs.size(1) == K / 256 && pairs.size(2) == kInt4FactorBytes,
-                "factors: uint8 [N/16, K/256, ", kInt4FactorBytes, "] at width 16 (AVX-512 BF16), group_size 32");
+                    pairs.size(1) == K / 256 && pairs.size(2) == tokenmill::avx2::kInt4FactorBytes,
+                "factors: uint8 [N/16, K/256, ", tokenmill::avx2::kInt4FactorBytes, "] at width 16 (AVX-512 BF16), group_size 32");
     return packed.size(0) * width;
   }
   if (pairs.scalar_type() == at::kByte) {
@@ -545,50 +456,19 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
   return packed.size(0) * width;
 }
 
-#if defined(TOKENMILL_AVX512_BF16)
-// int4_linear at this level: one kernel for every row count.
-at::Tensor int4_avx512(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size,
-                       int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), groups = K / group_size;
-  const at::Tensor xk = as_kernel_dtype(x);
-  at::Tensor y = at::empty({M, N}, xk.options());
-  const c10::BFloat16* xb = xk.data_ptr<c10::BFloat16>();
-  std::vector<float> xs(M * groups);  // group sums of x
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-      const c10::BFloat16* xg = xb + m * K + g * group_size;
-      for (int64_t k = 0; k < group_size; k += 4) {
-        for (int i = 0; i < 4; ++i) s[i] += static_cast<float>(xg[k + i]);
-      }
-      xs[m * groups + g] = (s[0] + s[1]) + (s[2] + s[3]);
-    }
-  }
-  const bool factors = pairs.scalar_type() == at::kByte;
-  Tiles a{reinterpret_cast<const uint32_t*>(xb), xs.data(), packed.data_ptr<uint8_t>(),
-          factors ? nullptr : reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>()),
-          reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, groups, group_size / 4, N, 32};
-  if (factors) {
-    a.super = pairs.data_ptr<uint8_t>();
-    tiled_matmul<false, true>(a, M);
-  } else {
-    tiled_matmul<false>(a, M);
-  }
-  return y;
-}
-#endif
 
 }  // namespace
 
 // x [M, K] (bf16 at AVX-512 BF16, fp32 at AVX2) contiguous, any M >= 1; packed and pairs in the
 // level's layout (check_int4_weight); group_size 32 or a multiple of 64, K a multiple of 64.
-// Returns y [M, N] in x's dtype. At AVX-512 BF16: exact products of x with the codes, fp32 sums,
-// each group's scale and min applied in fp32, one rounding.
+// Returns y [M, N] in x's dtype. At every level x is quantized to int8 per block of 32 and the
+// integer products take each group's scale and min in fp32 (cpu_gemv_avx2.cpp): the AVX-512 BF16
+// level's tiles of 16 give the AVX2 level's tiles of 8 the same fp32 sums, bit for bit.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   check_matmul_args("int4_linear", x, {&packed, &pairs}, 0);
   const int64_t N = check_int4_weight(x.size(1), packed, pairs, group_size);
 #if defined(TOKENMILL_AVX512_BF16)
-  const at::Tensor y = int4_avx512(x, packed, pairs, group_size, N);
+  const at::Tensor y = tokenmill::avx2::int4_wide_linear(x.to(at::kFloat), packed, pairs, group_size);
 #elif defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int4_linear(as_kernel_dtype(x), packed, pairs, group_size);
 #else
@@ -614,11 +494,11 @@ at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const
   const at::Tensor xk = as_kernel_dtype(x);
 #if defined(TOKENMILL_AVX512_BF16)
   at::Tensor y = at::empty({M, N}, xk.options());
-  const Tiles a{reinterpret_cast<const uint32_t*>(xk.data_ptr<c10::BFloat16>()), nullptr,
+  const Tiles a{reinterpret_cast<const uint32_t*>(xk.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint8_t*>(tiles.data_ptr<int8_t>()),
                 reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>()),
-                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, 1, K / 4, N, 64};
-  tiled_matmul<true>(a, M);
+                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), K / 2, N};
+  tiled_matmul(a, M);
 #elif defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int8_tiled_linear(xk, tiles, scales);
 #else

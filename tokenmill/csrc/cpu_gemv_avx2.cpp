@@ -432,6 +432,112 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factor
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
 }
 
+#ifdef TOKENMILL_AVX512_BF16
+// int4 at avx512_bf16 (layers/linear.py _tiled_int4_layout at width 16, span 4): int4_tile's
+// arithmetic on 512-bit registers, 16 output channels a tile. Codes [N/16, K/8, 64], byte 4c + j
+// of step t = q(c, 8t + j) | q(c, 8t + 4 + j) << 4: one 64-byte load gives the 16 channels'
+// codes for 4 input channels (low nibbles) and the next 4 (high), each channel's 4 codes in its
+// own 32-bit lane, and vpdpbusd adds their products with x's 4 broadcast codes into that lane:
+// 64 products an instruction, where vdpbf16ps on bf16 activations takes 32 and the codes must
+// first widen to bf16 words. The block's sums and its scale, min and centring term as int4_tile
+// (the same operations in the same order, so a channel's fp32 sum is int4_tile's bit for bit).
+constexpr int64_t kWideTile = 16;  // output channels a tile
+constexpr int64_t kWideBlockBytes = kWideTile * kBlock / 2;  // a block's codes of a tile: 256
+
+// The bf16 (scale, min) table at width 16: per tile and group the 16 scales, then the 16 mins.
+struct WidePairs {
+  const uint16_t* p;
+  int64_t blocks_per_group, in_group = 0;
+  void next(__m512& scale, __m512& min) {
+    const __m512i pr = _mm512_loadu_si512(p);
+    if (++in_group == blocks_per_group) {
+      in_group = 0;
+      p += 2 * kWideTile;
+    }
+    scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pr)), 16));
+    min = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pr, 1)), 16));
+  }
+};
+
+// A Q4_K tensor's factors at width 16 (layers/linear.py _tiled_int4_factors; kInt4FactorBytes
+// per tile and super-block): the 16 channels' fp16 d and m, then per block their scale factors
+// and min factors a byte each; scale = d sc, min = m mn, as SuperBlocks gives them.
+struct WideFactors {
+  const uint8_t* p;
+  int64_t block = 0;
+  __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+  void next(__m512& scale, __m512& min) {
+    if (block == 0) {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    }
+    const uint8_t* f = p + 64 + block * 2 * kWideTile;
+    const auto widen = [](const uint8_t* q) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    };
+    scale = _mm512_mul_ps(d, widen(f));
+    min = _mm512_mul_ps(m, widen(f + kWideTile));
+    if (++block == 8) {  // the blocks of 32 of a super-block of 256
+      block = 0;
+      p += kInt4FactorBytes;
+    }
+  }
+};
+
+// Rows r0 .. r0 + R - 1 of y, one tile of 16 channels from n0. Up to 2 rows each row's products
+// go to two sums (the low nibbles' and the high ones'), so that vpdpbusd's latency is hidden.
+template <int R, typename Factors>
+void int4_wide_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factors factors, float* y, int64_t N,
+                    int64_t n0) {
+  constexpr int S = R <= 2 ? 2 : 1;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  const int8_t* xr[R];
+  const float* tr[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.row_codes(r0 + r);
+    tr[r] = xq.row_terms(r0 + r);
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < xq.blocks; ++b) {
+    const uint8_t* w = codes + b * kWideBlockBytes;
+    __m512i part[R][S];
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < S; ++i) part[r][i] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + s * 64 + kPrefetchBytes), _MM_HINT_T0);
+      const __m512i raw = _mm512_loadu_si512(w + s * 64);
+      const __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        // x's 4 codes to every lane as a broadcast load (an embedded broadcast of vpdpbusd's
+        // operand), not through a scalar register
+        const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
+        const __m512i x_lo = _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(x4)));
+        const __m512i x_hi = _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(x4 + 1)));
+        part[r][0] = _mm512_dpbusd_epi32(part[r][0], lo, x_lo);
+        part[r][S - 1] = _mm512_dpbusd_epi32(part[r][S - 1], hi, x_hi);
+      }
+    }
+    __m512 scale, min;
+    factors.next(scale, min);
+    const __m512 zero_point = _mm512_fmadd_ps(eight, scale, min);
+    for (int r = 0; r < R; ++r) {
+      const float* t = tr[r] + b * QuantizedRows::kTerms;
+      __m512i total = part[r][0];
+      if constexpr (S == 2) total = _mm512_add_epi32(total, part[r][1]);
+      const __m512 isum = _mm512_cvtepi32_ps(total);
+      const __m512 centred = _mm512_fmsub_ps(isum, _mm512_set1_ps(t[0]), _mm512_set1_ps(t[2]));
+      acc[r] = _mm512_fmadd_ps(scale, centred, acc[r]);
+      acc[r] = _mm512_fmadd_ps(zero_point, _mm512_set1_ps(t[1]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
+}
+#endif
+
 // 6-bit weights (symmetric groups of 16, w = scale (q - 32), q = 0..63) over tiles of 8 output
 // channels (Int6Linear's layout, layers/linear.py _tiled_int6_layout): low [N/8, K/8, 32], each
 // byte the low 4 bits of two codes exactly as int4's tile holds its codes; high [N/8, K/16, 32],
@@ -538,9 +644,10 @@ struct Int6SuperBlocks {
 // call to call. Taking the straggler's last panels keeps each thread's reads one forward
 // stream; handing out panels from one shared counter interleaved the threads' streams and lost
 // more than it saved.
-template <typename Tile>
+template <int64_t RowsPerPass = kTileRows, int64_t PanelTiles = kPanelTiles, typename Tile>
 void over_tiles(int64_t tiles, int64_t M, const Tile& tile) {
-  const int64_t panels = (tiles + kPanelTiles - 1) / kPanelTiles;
+  static_assert(RowsPerPass == 4 || RowsPerPass == 8, "with_row_count or with_rows_up_to_8 dispatches the rows");
+  const int64_t panels = (tiles + PanelTiles - 1) / PanelTiles;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);
   // A run [lo, hi) of panels, packed lo | hi << 32 so that its owner and a thief change it with
   // one compare-exchange; a cache line each, so that the owners' updates do not collide.
@@ -553,11 +660,16 @@ void over_tiles(int64_t tiles, int64_t M, const Tile& tile) {
                          std::memory_order_relaxed);
   }
   const auto run_panel = [&](int64_t panel) {
-    const int64_t t0 = panel * kPanelTiles, t1 = std::min(tiles, t0 + kPanelTiles);
-    for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-      with_row_count(M - r0, [&](auto r) {
+    const int64_t t0 = panel * PanelTiles, t1 = std::min(tiles, t0 + PanelTiles);
+    for (int64_t r0 = 0; r0 < M; r0 += RowsPerPass) {
+      const auto pass = [&](auto r) {
         for (int64_t t = t0; t < t1; ++t) tile(r, r0, t);
-      });
+      };
+      if constexpr (RowsPerPass == 8) {
+        with_rows_up_to_8(M - r0, pass);
+      } else {
+        with_row_count(M - r0, pass);
+      }
     }
   };
   // Takes a panel from the front (owner) or the back (thief) of run i; -1 when it is empty.
@@ -721,6 +833,35 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   });
   return y;
 }
+
+#ifdef TOKENMILL_AVX512_BF16
+at::Tensor int4_wide_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kWideTile;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const QuantizedRows xq(x.data_ptr<float>(), M, K);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  const int64_t tile_codes = K * kWideTile / 2;
+  // 4 tiles a panel: the 64 output channels of int4_linear's panels of 8 tiles of 8
+  if (pairs.scalar_type() == at::kByte) {
+    const uint8_t* p = pairs.data_ptr<uint8_t>();
+    const int64_t tile_bytes = K / 256 * kInt4FactorBytes;
+    over_tiles<8, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+      int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes, WideFactors{p + t * tile_bytes}, out, N,
+                                         t * kWideTile);
+    });
+    return y;
+  }
+  const auto* p = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
+  const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
+  over_tiles<8, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+    int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes,
+                                       WidePairs{p + t * groups * 2 * kWideTile, blocks_per_group}, out, N,
+                                       t * kWideTile);
+  });
+  return y;
+}
+#endif
 
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
   const int64_t M = x.size(0), K = x.size(1), tiles = low.size(0), N = tiles * 8;

@@ -310,15 +310,13 @@ class Int4Linear(QuantizedLinear):
     multiple of 64; group size 32 or a multiple of 64; out_features a multiple of 16 at
     avx512_bf16, of 8 below), every matmul runs `kernels.int4_linear` instead, one kernel for
     every row count on the codes in the level's tiled layout, and PyTorch's packed copy is not
-    made. At avx512_bf16: tiles of 16 output channels for vdpbf16ps (`_tiled_int4_layout`; over
-    the default model's 120 matrices on 2 cores 1.16x the kernel it replaced at 1 row, 1.2-1.5x
-    from 4 to 32 rows, and as fast as oneDNN's bf16 matmul up to 32 rows). At avx2 to avx512_vnni: tiles
-    of 8 for vpmaddubsw with activations in int8 per block of 32 (`_tiled_int4_layout`). A GGUF
-    Q4_K tensor's record brings its own factors, which the kernels read in place of bf16 scales
-    and mins, exact: at avx2 to avx512_vnni in 6 bits (`_tiled_int4_super_blocks`: the file's 4.5
-    bits a weight against 5), at avx512_bf16 a byte each (`_tiled_int4_factors`: 4.625 bits; on
-    Qwen2.5-Coder-1.5B's shapes, weights in memory, 0.94-0.97x the time of bf16 pairs at 1-2 rows,
-    1.0-1.05x at 4-8, where the kernel is bound by its arithmetic).
+    made. The activations are quantized to int8 per block of 32 and multiplied with the codes in
+    integers (csrc/cpu_gemv_avx2.cpp), over tiles of 16 output channels at avx512_bf16
+    (`vpdpbusd` on 512 bits) and of 8 at avx2 to avx512_vnni (`_tiled_int4_layout`): both give
+    the same fp32 sums, bit for bit. A GGUF Q4_K tensor's record brings its own factors, which
+    the kernels read in place of bf16 scales and mins, exact: at avx2 to avx512_vnni in 6 bits
+    (`_tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5), at avx512_bf16 a byte
+    each (`_tiled_int4_factors`: 4.625 bits).
 
     On CUDA the kernel is `cuda_int4_kernel`'s by row count and `cuda_rows`: PyTorch's tinygemm
     (`_weight_int4pack_mm`) for few rows where the shape fits it (group size 32-256,
@@ -526,24 +524,22 @@ _PACK_ROWS = 4096
 def _tiled_int4_layout(codes: torch.Tensor, width: int) -> torch.Tensor:
     """A record's int4 codes (uint8 [N, K/2], code 2i in byte i's low nibble; N a multiple of
     `width`) in a level's tiled layout: output channels in tiles of `width`, and per tile and
-    step of 2s input channels (s = 32 / width) 32 bytes, byte s c + j = code(c, 2s i + j) |
-    code(c, 2s i + s + j) << 4 for channel c of the tile (j < s): [N/width, K/2s, 32].
-    - width 16 (avx512_bf16, csrc/cpu_gemv.cpp): s = 2, each nibble half the 16 channels' pairs
-      of input channels, as vdpbf16ps takes them;
-    - width 8 (avx2, csrc/cpu_gemv_avx2.cpp): s = 4, each nibble half the 8 channels' words of 4
-      input channels, as vpmaddubsw takes them against 4 broadcast codes of x."""
-    span = 32 // width
+    step of 8 input channels 4 `width` bytes, byte 4c + j = code(c, 8i + j) | code(c, 8i + 4 + j)
+    << 4 for channel c of the tile (j < 4): each nibble half holds the channels' words of 4 input
+    channels, as vpdpbusd (width 16, avx512_bf16) or vpmaddubsw (width 8, avx2 to avx512_vnni)
+    takes them against 4 broadcast int8 codes of x (csrc/cpu_gemv_avx2.cpp). Returned as
+    [N/width, K width/64, 32]."""
     n, k = codes.shape[0], codes.shape[1] * 2
-    steps = k // (2 * span)
-    out = torch.empty(n // width, steps, 32, dtype=torch.uint8)
+    steps = k // 8
+    out = torch.empty(n // width, steps, 4 * width, dtype=torch.uint8)
     for start in range(0, n, _PACK_ROWS):
         part = codes[start : start + _PACK_ROWS]
         tiles = part.shape[0] // width
-        # [tile, c, i, h, j]: input channel 2 span i + span h + j of channel c
-        nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, width, steps, 2, span)
-        quads = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [tile, c, i, j]
-        out[start // width : start // width + tiles] = quads.permute(0, 2, 1, 3).reshape(tiles, steps, 32)
-    return out
+        # [tile, c, i, h, j]: input channel 8i + 4h + j of channel c
+        nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, width, steps, 2, 4)
+        words = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [tile, c, i, j]
+        out[start // width : start // width + tiles] = words.permute(0, 2, 1, 3).reshape(tiles, steps, 4 * width)
+    return out.view(n // width, k * width // 64, 32)
 
 
 def _tiled_int4_pairs(scales: torch.Tensor, mins: torch.Tensor, width: int) -> torch.Tensor:
