@@ -801,13 +801,13 @@ def test_vnni_adds_the_same_integer_sums_as_vpmaddubsw():
                            vnni.int8_linear(x[:4], codes8, scales8.bfloat16()))
 
 
-def test_int4_tiles_of_16_add_what_the_tiles_of_8_add():
-    """avx512_bf16 runs int4 over tiles of 16 output channels with vpdpbusd on 512 bits, avx2 over
-    tiles of 8 with vpmaddubsw: the same int8 codes of x, integer block sums and FP epilogue per
-    channel, so fp32 x gives the same bits at both levels (bf16 pairs and Q4_K factors, codes at
-    the ends of their range, few rows and many): a Zen 4 host and an AVX2 one serve the same
-    outputs from a Q4_K file."""
-    from tokenmill.layers.linear import Int4Linear
+def test_512_bit_tiles_of_16_add_what_the_tiles_of_8_add():
+    """avx512_bf16 runs int4 over tiles of 16 output channels and int6 over pairs of its tiles of
+    8 with vpdpbusd on 512 bits, avx2 over tiles of 8 with vpmaddubsw: the same int8 codes of x,
+    integer sums and FP epilogue per channel, so fp32 x gives the same bits at both levels (bf16
+    scales and GGUF factors, codes at the ends of their ranges, few rows and many): a Zen 4 host
+    and an AVX2 one serve the same outputs from a Q4_K_M file."""
+    from tokenmill.layers.linear import Int4Linear, Int6Linear
 
     if not {"avx2", "avx512_bf16"} <= set(MATMUL_LEVELS):
         pytest.skip(f"needs the avx2 and avx512_bf16 levels (this host runs {MATMUL_LEVELS})")
@@ -817,12 +817,27 @@ def test_int4_tiles_of_16_add_what_the_tiles_of_8_add():
     int4["codes"][:4] = 0xFF  # every code 15
     grouped = random_int4(48, 1536, 128, g)[1]
     q4_k = random_q4_k_record(64, 768, g)[1]
+    codes6 = torch.randint(0, 64, (48, 768), generator=g).to(torch.uint8)
+    codes6[:4] = 63
+    int6 = {"codes": codes6, "scales": torch.rand(48, 48, generator=g) * 0.005 - 0.00125}
+    odd6 = {"codes": codes6[:40].contiguous(), "scales": int6["scales"][:40].contiguous()}  # 5 tiles: the last alone
+    factors6 = torch.randint(-128, 128, (32, 32), generator=g).to(torch.int8)
+    super6 = (torch.rand(32, 2, generator=g) * 1e-4 + 1e-5).half()
+    q6_k = {"codes": codes6[:32, :512].contiguous(), "scales": super6.float().repeat_interleave(16, 1) * factors6,
+            "factors": factors6, "super_factors": super6}
+    layers = [(Int4Linear, int4), (Int4Linear, grouped), (Int4Linear, q4_k), (Int6Linear, int6), (Int6Linear, odd6),
+              (Int6Linear, q6_k)]
     for rows in (1, 2, 3, 5, 8, 9, 37, 260):
         x = torch.randn(rows, 1536, generator=g)
         x[0, :32] = 127.0  # a block of x codes all 127
-        for record in (int4, grouped, q4_k):
-            xr = x[:, : record["codes"].shape[1] * 2].contiguous()
-            assert torch.equal(Int4Linear(record, None, kernels=plain)(xr), Int4Linear(record, None, kernels=wide)(xr)), rows
+        for cls, record in layers:
+            a, b = cls(record, None, kernels=plain), cls(record, None, kernels=wide)
+            xr = x[:, : a.in_features].contiguous()
+            if cls is Int6Linear:  # int6_linear at every row count (at avx512_bf16 int6_gemm above max_rows)
+                assert torch.equal(plain.int6_linear(xr, a.low, a.high, a.tile_scales),
+                                   wide.int6_linear(xr, b.low, b.high, b.tile_scales)), (cls.__name__, rows)
+            else:
+                assert torch.equal(a(xr), b(xr)), (cls.__name__, rows)
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (12, 2, 64)])

@@ -208,9 +208,9 @@ def cuda_int4_kernel(rows: int, table: CudaGemmRows = CUDA_GEMM_ROWS, tinygemm_f
 # (int8, decode) from 8 rows cost 18% at batch 8, from 12 gained 34% at batch 16.
 INT8_GEMM_MIN_ROWS = 12
 # At avx512_bf16, from how many rows Int6Linear runs `kernels.int6_gemm` rather than int6_linear:
-# on Qwen2.5-1.5B's down projection (2 cores, Zen 5) int6_linear is 0.92x int6_gemm's time at 16
-# rows and 1.16x at 32; from 32 rows int6_gemm is within 1.08x of the int8 layer's time.
-INT6_GEMM_MIN_ROWS = 20
+# on Qwen2.5-1.5B's Q6_K shapes (down projection and a vocabulary slice, 2 cores) int6_linear's
+# 512-bit tile pairs take 0.65x int6_gemm's time at 16 rows, 0.88x at 32 and 1.04x at 64.
+INT6_GEMM_MIN_ROWS = 48
 
 
 class Int8Linear(QuantizedLinear):
@@ -422,10 +422,10 @@ class Int6Linear(QuantizedLinear):
     `kernels.int6_linear` at every row count, over tiles of 8 output channels
     (`_tiled_int6_layout`; x in int8 per block of 32, as the int4 kernel at avx2); a Q6_K
     record's own factors in place of the bf16 scales where in_features are a multiple of 256
-    (`_tiled_int6_super_blocks`: 6.5625 bits a weight). At avx512_bf16, above `max_rows`
-    (INT6_GEMM_MIN_ROWS - 1) rows, `kernels.int6_gemm` on the same tiles instead: each weight
-    widened once per call to bf16, bf16 products (int6_linear's int8 products take about twice
-    a bf16 matmul's time there at many rows). Otherwise the dequantized weight in fp32 and
+    (`_tiled_int6_super_blocks`: 6.5625 bits a weight). At avx512_bf16 int6_linear takes pairs
+    of tiles on 512-bit registers from 2 rows (`vpdpbusd`, the same sums), and above `max_rows`
+    (INT6_GEMM_MIN_ROWS - 1) rows `kernels.int6_gemm` runs on the same tiles instead: each weight
+    widened once per call to bf16, bf16 products. Otherwise the dequantized weight in fp32 and
     F.linear (correct, without the memory saving)."""
 
     def __init__(self, record, bias, kernels=None):
