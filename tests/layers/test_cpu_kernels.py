@@ -836,8 +836,13 @@ def test_512_bit_tiles_of_16_add_what_the_tiles_of_8_add():
             if cls is Int6Linear:  # int6_linear at every row count (at avx512_bf16 int6_gemm above max_rows)
                 assert torch.equal(plain.int6_linear(xr, a.low, a.high, a.tile_scales),
                                    wide.int6_linear(xr, b.low, b.high, b.tile_scales)), (cls.__name__, rows)
+                # bf16 x is taken as it is and y written in bf16: the fp32 results, rounded once
+                xb = xr.bfloat16()
+                assert torch.equal(wide.int6_linear(xb, b.low, b.high, b.tile_scales),
+                                   wide.int6_linear(xb.float(), b.low, b.high, b.tile_scales).bfloat16())
             else:
                 assert torch.equal(a(xr), b(xr)), (cls.__name__, rows)
+                assert torch.equal(b(xr.bfloat16()), b(xr.bfloat16().float()).bfloat16())
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (12, 2, 64)])

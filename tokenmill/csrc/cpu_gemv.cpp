@@ -468,7 +468,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_matmul_args("int4_linear", x, {&packed, &pairs}, 0);
   const int64_t N = check_int4_weight(x.size(1), packed, pairs, group_size);
 #if defined(TOKENMILL_AVX512_BF16)
-  const at::Tensor y = tokenmill::avx2::int4_wide_linear(x.to(at::kFloat), packed, pairs, group_size);
+  const at::Tensor y = tokenmill::avx2::int4_wide_linear(x, packed, pairs, group_size);
 #elif defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int4_linear(as_kernel_dtype(x), packed, pairs, group_size);
 #else
@@ -536,7 +536,9 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
   check_matmul_args("int6_linear", x, {&low, &high, &scales}, 0);
   const int64_t K = x.size(1);
   check_int6_weight(K, low, high, scales);
-#if defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_AVX512_BF16)
+  const at::Tensor y = tokenmill::avx2::int6_linear(x, low, high, scales);  // x fp32 or bf16 as it is
+#elif defined(TOKENMILL_AVX2)
   const at::Tensor y = tokenmill::avx2::int6_linear(x.to(at::kFloat), low, high, scales);
 #else
   const at::Tensor y = not_built("int6_linear");

@@ -126,7 +126,10 @@ struct QuantizedRows {
   float* d = nullptr;
   float* terms = nullptr;
 
-  QuantizedRows(const float* x, int64_t M, int64_t K) : blocks(K / kBlock) {
+  // x fp32, or bf16 (at avx512_bf16, whose int4 and int6 kernels take the engine's bf16
+  // activations as they are: each value widens exactly to the fp32 it stands for)
+  template <typename T>
+  QuantizedRows(const T* x, int64_t M, int64_t K) : blocks(K / kBlock) {
     thread_local std::vector<int8_t> q_buffer;
     thread_local std::vector<float> float_buffer;
     const int64_t n = M * blocks;
@@ -146,12 +149,19 @@ struct QuantizedRows {
   const float* row_terms(int64_t m) const { return terms + m * blocks * kTerms; }
 
  private:
-  void quantize_block(const float* src, int64_t b) {
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 load8(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+
+  template <typename T>
+  void quantize_block(const T* src, int64_t b) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(src + 8 * i);
+      v[i] = load8(src + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
       sum = _mm256_add_ps(sum, v[i]);
     }
@@ -442,6 +452,12 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factor
 // first widen to bf16 words. The block's sums and its scale, min and centring term as int4_tile
 // (the same operations in the same order, so a channel's fp32 sum is int4_tile's bit for bit).
 constexpr int64_t kWideTile = 16;  // output channels a tile
+
+// 16 sums stored as y's dtype (bf16: rounded to nearest even, as Tensor.to rounds).
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
 constexpr int64_t kWideBlockBytes = kWideTile * kBlock / 2;  // a block's codes of a tile: 256
 
 // The bf16 (scale, min) table at width 16: per tile and group the 16 scales, then the 16 mins.
@@ -486,8 +502,8 @@ struct WideFactors {
 
 // Rows r0 .. r0 + R - 1 of y, one tile of 16 channels from n0. Up to 2 rows each row's products
 // go to two sums (the low nibbles' and the high ones'), so that vpdpbusd's latency is hidden.
-template <int R, typename Factors>
-void int4_wide_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factors factors, float* y, int64_t N,
+template <int R, typename Factors, typename Out>
+void int4_wide_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factors factors, Out* y, int64_t N,
                     int64_t n0) {
   constexpr int S = R <= 2 ? 2 : 1;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -534,7 +550,15 @@ void int4_wide_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, F
       acc[r] = _mm512_fmadd_ps(zero_point, _mm512_set1_ps(t[1]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
+  for (int r = 0; r < R; ++r) store16(y + (r0 + r) * N + n0, acc[r]);
+}
+#endif
+
+// 8 sums stored as y's dtype (bf16 at avx512_bf16 only: rounded to nearest even, as Tensor.to).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+#ifdef TOKENMILL_AVX512_BF16
+inline void store8(c10::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
 }
 #endif
 
@@ -550,9 +574,9 @@ void int4_wide_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, F
 // r0 + R - 1, one tile. The groups' scales come from one of two tables, one group a call of
 // next(): GroupScales, bf16 [N/8, K/16, 8] (7 bits a weight), or Q6_K's own factors,
 // Int6SuperBlocks.
-template <int R, typename Scales>
+template <int R, typename Scales, typename Out>
 void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const uint8_t* high, Scales scales,
-               float* y, int64_t N, int64_t n0) {
+               Out* y, int64_t N, int64_t n0) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i top = _mm256_set1_epi8(0x30);
   const int64_t blocks = xq.blocks;
@@ -602,7 +626,7 @@ void int6_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const ui
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
+  for (int r = 0; r < R; ++r) store8(y + (r0 + r) * N + n0, acc[r]);
 }
 
 // int6_tile's bf16 scales, a group's 8 a 16-byte load.
@@ -647,9 +671,9 @@ inline __m512i both_tiles(const uint8_t* first, const uint8_t* second) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second)), 1);
 }
 
-template <int R, typename Scales>
+template <int R, typename Scales, typename Out>
 void int6_tile_pair(const QuantizedRows& xq, int64_t r0, const uint8_t* low, const uint8_t* high, int64_t K,
-                    Scales first, Scales second, float* y, int64_t N, int64_t n0) {
+                    Scales first, Scales second, Out* y, int64_t N, int64_t n0) {
   constexpr int S = R <= 2 ? 2 : 1;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i top = _mm512_set1_epi8(0x30);
@@ -706,7 +730,7 @@ void int6_tile_pair(const QuantizedRows& xq, int64_t r0, const uint8_t* low, con
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
+  for (int r = 0; r < R; ++r) store16(y + (r0 + r) * N + n0, acc[r]);
 }
 #endif
 
@@ -913,38 +937,43 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor int4_wide_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kWideTile;
   at::Tensor y = at::empty({M, N}, x.options());
-  const QuantizedRows xq(x.data_ptr<float>(), M, K);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  float* out = y.data_ptr<float>();
   const int64_t tile_codes = K * kWideTile / 2;
-  // 4 tiles a panel: the 64 output channels of int4_linear's panels of 8 tiles of 8
-  if (pairs.scalar_type() == at::kByte) {
-    const uint8_t* p = pairs.data_ptr<uint8_t>();
-    const int64_t tile_bytes = K / 256 * kInt4FactorBytes;
+  TOKENMILL_DISPATCH_FLOAT_BF16(x.scalar_type(), "int4_wide_linear", [&] {
+    const QuantizedRows xq(x.data_ptr<scalar_t>(), M, K);
+    scalar_t* out = y.data_ptr<scalar_t>();
+    // 4 tiles a panel: the 64 output channels of int4_linear's panels of 8 tiles of 8
+    if (pairs.scalar_type() == at::kByte) {
+      const uint8_t* p = pairs.data_ptr<uint8_t>();
+      const int64_t tile_bytes = K / 256 * kInt4FactorBytes;
+      over_tiles<8, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+        int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes, WideFactors{p + t * tile_bytes}, out, N,
+                                           t * kWideTile);
+      });
+      return;
+    }
+    const auto* p = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
+    const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
     over_tiles<8, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
-      int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes, WideFactors{p + t * tile_bytes}, out, N,
+      int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes,
+                                         WidePairs{p + t * groups * 2 * kWideTile, blocks_per_group}, out, N,
                                          t * kWideTile);
     });
-    return y;
-  }
-  const auto* p = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
-  const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
-  over_tiles<8, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
-    int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes,
-                                       WidePairs{p + t * groups * 2 * kWideTile, blocks_per_group}, out, N,
-                                       t * kWideTile);
   });
   return y;
 }
 #endif
 
-at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
+namespace {
+// int6_linear with x and y of dtype T (float; bf16 at avx512_bf16).
+template <typename T>
+at::Tensor int6_linear_as(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
   const int64_t M = x.size(0), K = x.size(1), tiles = low.size(0), N = tiles * 8;
   at::Tensor y = at::empty({M, N}, x.options());
-  const QuantizedRows xq(x.data_ptr<float>(), M, K);
+  const QuantizedRows xq(x.data_ptr<T>(), M, K);
   const uint8_t* lp = low.data_ptr<uint8_t>();
   const uint8_t* hp = high.data_ptr<uint8_t>();
-  float* out = y.data_ptr<float>();
+  T* out = y.data_ptr<T>();
 #ifdef TOKENMILL_AVX512_BF16
   // Tile pairs from 2 rows, 8 rows a pass, 4 pairs a panel (Qwen2.5-1.5B's Q6_K shapes, weights
   // in memory: 0.7x the time of tiles of 8 at 5-16 rows, the same at 2-4). One row stays on
@@ -982,6 +1011,14 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Ten
     int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, GroupScales{sp + t * K / 2}, out, N, t * 8);
   });
   return y;
+}
+}  // namespace
+
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
+#ifdef TOKENMILL_AVX512_BF16
+  if (x.scalar_type() == at::kBFloat16) return int6_linear_as<c10::BFloat16>(x, low, high, scales);
+#endif
+  return int6_linear_as<float>(x, low, high, scales);
 }
 
 at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales) {

@@ -48,7 +48,8 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                              const c10::optional<at::Tensor>& value);
 
 // cpu_gemv_avx2.cpp: the quantized matmuls of the AVX2 level, for cpu_gemv.cpp's entry points
-// (arguments checked there; x fp32 [M, K]; y fp32 [M, N]).
+// (arguments checked there; x fp32 [M, K]; y fp32 [M, N]; at avx512_bf16 int4_wide_linear and
+// int6_linear also take bf16 x, and return y in x's dtype).
 namespace tokenmill::avx2 {
 // Bytes per tile of 8 output channels and super-block of 256 input channels in the GGUF factor
 // tables (layers/linear.py _tiled_int4_super_blocks, _tiled_int6_super_blocks): Q4_K's 8 fp16 d
