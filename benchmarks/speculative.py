@@ -91,8 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-method", choices=("ngram", "suffix", "draft"), default="ngram",
                    help="how the 'on' engines draft: n-gram prompt lookup, or a draft model (--draft-model)")
     p.add_argument("--draft-model", default=None, help="draft model path (same vocabulary) for --speculative-method draft")
-    p.add_argument("--quantization", choices=(None, "int8", "int4"), default=None, type=lambda x: x or None,
-                   help="weight-only quantization of every engine's linears (target and draft)")
+    p.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
+                   help="quantization of every engine's linears (target and draft): auto = as the checkpoint "
+                        "stores them (a GGUF file's quantized tensors as stored, as `tokenmill serve` runs it), "
+                        "none = dense in the compute dtype (a GGUF file dequantized)")
     p.add_argument("--tasks", default="code,quote", help=f"batch-1 tasks, comma-separated, from {','.join(TASKS)}")
     p.add_argument("--skip-sweep", action="store_true", help="batch 1 only: no concurrency sweep, no on-fixed engine")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="compute dtype of all three engines")
@@ -456,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
 
     drafter = {"ngram": f"n-gram {args.ngram_min}..{args.ngram_max}", "suffix": "suffix decoding"}.get(
         args.speculative_method, f"draft model {args.draft_model}")
-    print(f"model {args.model} ({dtype}{', ' + args.quantization if args.quantization else ''}, "
+    print(f"model {args.model} ({dtype}, quantization {args.quantization}, "
           f"{torch.get_num_threads()} threads); {drafter}, "
           f"up to {args.num_speculative_tokens} drafts, adaptive; load average at start "
           f"{' '.join(f'{x:.2f}' for x in load_average_start)}", flush=True)
