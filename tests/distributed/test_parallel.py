@@ -65,15 +65,22 @@ def test_default_model_split_two_ways_matches_one_process(dense_one_process):
 
 def test_default_model_int4_as_stored_splits_its_rows_and_groups(dense_one_process):
     """The GGUF file's int4 codes, cut by rows (q/k/v, gate/up, vocabulary) and by groups of
-    input columns (o, down). The kernels multiply int4 weights by bf16 activations on some CPUs,
-    so the split's sums round apart by more than fp32 would (near ties may part the greedy
-    tokens): the split int4 model must be about as close to the dense fp32 model as the whole
-    int4 model is (a code or scale cut in the wrong place would put it far off)."""
+    input columns (o, down). The int4 kernels quantize activations to int8 per block of 32, so
+    the split's fp32 sums, added in another order, can round a value to the other int8 code and
+    part near-tie greedy tokens: one context's logits may move by the quantization's own noise.
+    Averaged over the contexts all three runs share, the split int4 model must be as close to
+    the dense fp32 model as the whole int4 model is (a code or scale cut in the wrong place would
+    put every context far off)."""
     _, dense = dense_one_process
     _, one = _greedy(MODEL)
     _, split = _greedy(MODEL, tensor_parallel_size=2)
-    whole_error = _max_logit_diff(one, dense, torch.mean)
-    assert _max_logit_diff(split, dense, torch.mean) < 2 * whole_error
+    shared = one.keys() & split.keys() & dense.keys()
+    assert len(shared) >= len(PROMPTS)
+
+    def error(run: dict) -> float:  # mean over the shared contexts of the mean |logit difference|
+        return sum(float((run[c] - dense[c]).abs().mean()) for c in shared) / len(shared)
+
+    assert error(split) < 1.5 * error(one), (error(split), error(one))
 
 
 def test_tiny_qwen2_split_two_ways_matches_one_process(tiny_qwen2_dir):
