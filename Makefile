@@ -18,8 +18,8 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
+# `make test` compiles the other levels the kernel tests run (tests/layers/levels.py) before the tests start.
 test: setup
-	# the other levels the kernel tests run (tests/layers/levels.py), compiled before the tests start
 	$(VENV)/bin/tokenmill build-kernels $$($(PY) -c "from tests.layers.levels import kernel_test_levels as k; print(' '.join('--isa ' + i for i in k()))") || true
 	$(PY) -m pytest -q tests
 

@@ -498,6 +498,17 @@ def random_q4_k_record(out_features: int, in_features: int, g: torch.Generator):
     return codes, record, scales.repeat_interleave(32, 1), mins.repeat_interleave(32, 1)
 
 
+def q6_k_record(codes: torch.Tensor, g: torch.Generator) -> dict:
+    """A Q6_K record (gguf_blocks.int6_record) over int6 codes [N, K] (K a multiple of 256):
+    random int8 factors per 16 (negative ones too) and fp16 d per 256, and the scales d sc they
+    make, exact in fp32."""
+    n, k = codes.shape
+    factors = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
+    super_factors = (torch.rand(n, k // 256, generator=g) * 1e-4 + 1e-5).half()
+    return {"codes": codes, "scales": super_factors.float().repeat_interleave(16, 1) * factors, "factors": factors,
+            "super_factors": super_factors}
+
+
 @pytest.mark.parametrize("rows", [1, 3, 6, 64])
 def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
     """A Q4_K record runs on its factors (scale d sc, min m mn) in place of bf16 scales and mins:
@@ -595,10 +606,7 @@ def test_int6_gemm_matches_the_weight_widened_to_bf16(rows, out_features, in_fea
     scales = torch.rand(out_features, in_features // 16, generator=g) * 0.005 - 0.00125
     records = [{"codes": codes, "scales": scales}]
     if in_features % 256 == 0:
-        factors = torch.randint(-128, 128, (out_features, in_features // 16), generator=g).to(torch.int8)
-        super_factors = (torch.rand(out_features, in_features // 256, generator=g) * 1e-4 + 1e-5).half()
-        records.append({"codes": codes, "factors": factors, "super_factors": super_factors,
-                        "scales": super_factors.float().repeat_interleave(16, 1) * factors})
+        records.append(q6_k_record(codes, g))
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     bias = torch.randn(out_features, generator=g) if with_bias else None
     for record in records:
@@ -623,10 +631,8 @@ def test_int6_linear_reads_a_q6_k_records_own_factors(level, rows):
     g = torch.Generator().manual_seed(rows)
     out_features, in_features = 40, 512
     codes = torch.randint(0, 64, (out_features, in_features), generator=g).to(torch.uint8)
-    factors = torch.randint(-128, 128, (out_features, in_features // 16), generator=g).to(torch.int8)
-    super_factors = (torch.rand(out_features, in_features // 256, generator=g) * 1e-4 + 1e-5).half()
-    scales = super_factors.float().repeat_interleave(16, 1) * factors
-    record = {"codes": codes, "scales": scales, "factors": factors, "super_factors": super_factors}
+    record = q6_k_record(codes, g)
+    scales = record["scales"]
     layer = Int6Linear(record, None, level)
     plain = Int6Linear({"codes": codes, "scales": scales}, None, level)
     assert layer.tile_scales.dtype == torch.uint8 and layer.tile_scales.shape == (5, 2, 144)
@@ -821,10 +827,7 @@ def test_512_bit_tiles_of_16_add_what_the_tiles_of_8_add():
     codes6[:4] = 63
     int6 = {"codes": codes6, "scales": torch.rand(48, 48, generator=g) * 0.005 - 0.00125}
     odd6 = {"codes": codes6[:40].contiguous(), "scales": int6["scales"][:40].contiguous()}  # 5 tiles: the last alone
-    factors6 = torch.randint(-128, 128, (32, 32), generator=g).to(torch.int8)
-    super6 = (torch.rand(32, 2, generator=g) * 1e-4 + 1e-5).half()
-    q6_k = {"codes": codes6[:32, :512].contiguous(), "scales": super6.float().repeat_interleave(16, 1) * factors6,
-            "factors": factors6, "super_factors": super6}
+    q6_k = q6_k_record(codes6[:32, :512].contiguous(), g)
     layers = [(Int4Linear, int4), (Int4Linear, grouped), (Int4Linear, q4_k), (Int6Linear, int6), (Int6Linear, odd6),
               (Int6Linear, q6_k)]
     for rows in (1, 2, 3, 5, 8, 9, 37, 260):

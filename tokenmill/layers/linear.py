@@ -585,8 +585,8 @@ def _tiled_int4_factors(factors: torch.Tensor, super_factors: torch.Tensor) -> t
 
 
 def _tile_width(kernels) -> int:
-    """Output channels per tile of the kernels' int4 and int8 layouts: 16 at avx512_bf16
-    (vdpbf16ps), 8 at avx2 to avx512_vnni (vpmaddubsw or vpdpbusd)."""
+    """Output channels per tile of the kernels' int4 and int8 layouts: 16 at avx512_bf16 (int4 by
+    512-bit vpdpbusd, int8 by vdpbf16ps), 8 at avx2 to avx512_vnni (vpmaddubsw or vpdpbusd)."""
     return 16 if kernels.native_bf16() else 8
 
 
