@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_layers(module, weights: list, fmt: str) -> list:
     from tokenmill.layers.linear import Int4Linear, Int6Linear, Int8Linear
-    from tokenmill.quantization.formats import record_from_rtn
+    from tokenmill.layers.quantization.formats import record_from_rtn
 
     cls = {"int4": Int4Linear, "int8": Int8Linear, "int6": Int6Linear}[fmt]
     return [cls(record_from_rtn(fmt, w, 32), None, kernels=module) for w in weights]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tokenmill.layers import cpu_kernels
 from tokenmill.layers.cpu_isa import host_isa
 from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
-from tokenmill.quantization.formats import dequantize_record, record_from_rtn
+from tokenmill.layers.quantization.formats import dequantize_record, record_from_rtn
 
 from common import RESULTS_DIR, write_report
 

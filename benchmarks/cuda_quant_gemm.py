@@ -66,7 +66,7 @@ from tokenmill.layers.linear import (  # noqa: E402
     cuda_int8_kernel,
     int8_activation_matmul,
 )
-from tokenmill.quantization.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8  # noqa: E402
+from tokenmill.layers.quantization.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8  # noqa: E402
 
 DEFAULT_OUTPUT = RESULTS_DIR / "cuda_quant_gemm.json"
 

@@ -76,10 +76,6 @@ DEBT: tuple[tuple[str, str, str], ...] = (
      "host ISA detection (stdlib only) belongs beside config as a leaf; moving it edits layers/cpu_kernels.py and layers/linear.py"),
     ("core.scheduler", "spec_decode.cost",
      "the draft plan the scheduler follows (StepCost, plan_drafts) is scheduling policy; it shares cost.py with the measurement, which builds SchedulerOutputs"),
-    ("layers.linear", "quantization.formats",
-     "the runtime formats' records (pack, dequantize) belong in layers/; quantization/ keeps the calibration"),
-    ("layers.embedding", "quantization.formats", "as layers.linear"),
-    ("models.streaming", "quantization.formats", "as layers.linear: the streaming load builds records as it reads"),
 )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.distributed.sharding import _columns
-from tokenmill.quantization.formats import dequantize_record
+from tokenmill.layers.quantization.formats import dequantize_record
 
 
 def q4_k_record(rows: int, k: int) -> dict[str, torch.Tensor]:

@@ -119,6 +119,29 @@ def test_decode_only_step_and_a_lone_decode():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_chunks_over_cached_context_are_attended_as_decodes(dtype):
+    """Requests verifying drafts (chunks of a few tokens after their context) right after the
+    decodes go through the decode kernel, one decode per token, each seeing the keys up to its
+    own position; conversion stops at the first chunk that is long or has no earlier context,
+    which with every chunk after it stays a chunk. The step's result is causal attention still."""
+    decode_lens = [3, 40]
+    prefill = [(3, 40), (5, 130), (1, 20), (64, 64), (2, 50)]
+    cache, query, key, value, layout, full_k, full_v, q_lens = random_step(dtype, 16, 2, 12, 128, decode_lens,
+                                                                          prefill)
+    backend = TorchAttentionBackend(kernels=kernels)
+    meta = backend.build_metadata(layout, "cpu")
+    assert meta.num_decodes == 2 + 3 + 5 + 1
+    assert meta.decode_seq_lens.tolist() == [3, 40, 38, 39, 40, 126, 127, 128, 129, 130, 20]
+    assert [len(t) for t in meta.layout.decode_tables] == [1, 3, 3, 3, 3, 8, 8, 8, 9, 9, 2]
+    assert meta.prefill_query_lens == [64, 2] and meta.prefill_seq_lens == [64, 50]
+    out = backend.forward(query, key, value, cache, meta, 128**-0.5)
+    expected = torch.cat([reference(q.float(), k.float(), v.float(), 128**-0.5)
+                          for q, k, v in zip(query.split(q_lens), full_k, full_v)])
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
 def test_decode_kernel_refuses_bad_arguments():
     cache, query, key, value, layout, *_ = random_step(torch.float32, 4, 2, 6, 8, [5], [])
     tables = torch.tensor([layout.decode_tables[0]], dtype=torch.int32)
@@ -403,7 +426,7 @@ def test_rope_write_kv_quantizes_into_an_int8_cache_as_quantize_kv_does(dtype):
 def random_int4(out_features: int, in_features: int, group_size: int, g: torch.Generator):
     """Random int4 codes and their record; and each weight's scale and min per input channel as
     the kernels see them (rounded to bf16)."""
-    from tokenmill.quantization.formats import pack_int4
+    from tokenmill.layers.quantization.formats import pack_int4
 
     codes = torch.randint(0, 16, (out_features, in_features), generator=g)
     groups = in_features // group_size
@@ -471,7 +494,7 @@ def test_int4_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):
     """Every weight code 15 against x codes of +-127 (a block's absmax on every value): the
     largest int16 block sums the avx2 kernel keeps (8 x 2 x 15 x 127 = 30480) do not saturate."""
     from tokenmill.layers.linear import Int4Linear
-    from tokenmill.quantization.formats import pack_int4
+    from tokenmill.layers.quantization.formats import pack_int4
 
     codes = torch.full((16, 128), 15)
     record = {"codes": pack_int4(codes), "scales": torch.full((16, 4), 0.5), "mins": torch.full((16, 4), -1.0)}
@@ -485,7 +508,7 @@ def test_int4_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):
 def random_q4_k_record(out_features: int, in_features: int, g: torch.Generator):
     """Random int4 codes and the record a GGUF Q4_K tensor gives (models/gguf_blocks.py): its
     factors, and the scales and mins they make (exact in fp32), per input channel."""
-    from tokenmill.quantization.formats import pack_int4
+    from tokenmill.layers.quantization.formats import pack_int4
 
     codes = torch.randint(0, 16, (out_features, in_features), generator=g)
     factors = torch.randint(0, 64, (out_features, in_features // 32, 2), generator=g).to(torch.uint8)
@@ -684,7 +707,7 @@ def test_bf16_linear_matches_an_fp32_matmul(rows, out_features, in_features, wit
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
 def test_int8_linear_matches_the_dequantized_weight(level, rows):
     from tokenmill.layers.linear import Int8Linear, kernel_rows
-    from tokenmill.quantization.formats import quantize_int8
+    from tokenmill.layers.quantization.formats import quantize_int8
 
     if level.native_bf16() and rows > 4:
         pytest.skip("the avx512_bf16 few-row kernel takes 1-4 rows")
@@ -717,8 +740,9 @@ def test_int8_tiled_linear_matches_the_dequantized_weight(level, rows, out_featu
     but not of 8 (132); exact products, fp32 sums, one rounding. avx2: tiles of 8, x in int8 per
     block of 32 (K a multiple of 32: 132 refused). Int8Linear keeps only the tiles where they fit
     and runs them at every row count."""
-    from tokenmill.layers.linear import Int8Linear, _tiled_int8_layout
-    from tokenmill.quantization.formats import quantize_int8
+    from tokenmill.layers.linear import Int8Linear
+    from tokenmill.layers.quantization.cpu_layouts import tiled_int8_layout
+    from tokenmill.layers.quantization.formats import quantize_int8
 
     g = torch.Generator().manual_seed(rows)
     codes, scales = quantize_int8(torch.randn(out_features, in_features, generator=g))
@@ -726,7 +750,7 @@ def test_int8_tiled_linear_matches_the_dequantized_weight(level, rows, out_featu
     x = activations(level, rows, in_features, g)
     bf16_scales = scales.to(torch.bfloat16)
     width = 16 if level.native_bf16() else 8
-    tiles = _tiled_int8_layout(codes, width)
+    tiles = tiled_int8_layout(codes, width)
     if not level.native_bf16() and in_features % 32:
         with pytest.raises(RuntimeError, match="multiple of 32"):
             level.int8_tiled_linear(x, tiles, bf16_scales)
@@ -756,7 +780,7 @@ def test_int8_gemm_matches_the_dequantized_weight(level, rows, out_features, in_
     products, fp32 sums, one rounding; avx2: fp32 panels (from 256 rows the whole weight widened
     once for at::mm). Int8Linear takes it above its max_rows where its tiles do not fit."""
     from tokenmill.layers.linear import Int8Linear
-    from tokenmill.quantization.formats import quantize_int8
+    from tokenmill.layers.quantization.formats import quantize_int8
 
     g = torch.Generator().manual_seed(rows)
     codes, scales = quantize_int8(torch.randn(out_features, in_features, generator=g))
@@ -782,7 +806,7 @@ def test_vnni_adds_the_same_integer_sums_as_vpmaddubsw():
     at few rows and many, codes at the ends of their ranges included: an AVX2 host and an
     Ice Lake one serve the same outputs."""
     from tokenmill.layers.linear import Int4Linear, Int6Linear, Int8Linear
-    from tokenmill.quantization.formats import quantize_int8
+    from tokenmill.layers.quantization.formats import quantize_int8
 
     if not {"avx2", "avx512_vnni"} <= set(MATMUL_LEVELS):
         pytest.skip(f"needs the avx2 and avx512_vnni levels (this host runs {MATMUL_LEVELS})")

@@ -1,4 +1,4 @@
-"""The weight formats of tokenmill.quantization.formats and the layers of tokenmill.layers.linear
+"""The weight formats of tokenmill.layers.quantization.formats and the layers of tokenmill.layers.linear
 built from them, against plain fp32 matmuls."""
 
 import pytest
@@ -8,7 +8,7 @@ from torch import nn
 
 from tokenmill.layers.cpu_isa import host_isa, onednn_bf16
 from tokenmill.layers.linear import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, convert_linears, fp8_gemm_supported
-from tokenmill.quantization.formats import (
+from tokenmill.layers.quantization.formats import (
     dequantize_int4,
     dequantize_record,
     layer_group_size,

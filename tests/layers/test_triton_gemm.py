@@ -27,8 +27,8 @@ from tokenmill.layers.linear import (  # noqa: E402
     cuda_int4_kernel,
     cuda_int8_kernel,
 )
+from tokenmill.layers.quantization.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8  # noqa: E402
 from tokenmill.layers.triton_gemm import Blocks, blocks_for, int4_gemm, int8_gemm  # noqa: E402
-from tokenmill.quantization.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,9 +12,9 @@ from tests.models.test_families_gguf import COMMON, random_model, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.embedding import QuantizedEmbedding
 from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
+from tokenmill.layers.quantization.formats import dequantize_record
 from tokenmill.models import gguf_blocks
 from tokenmill.models.loader import load_checkpoint
-from tokenmill.quantization.formats import dequantize_record
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -57,7 +57,7 @@ def test_int8_record_is_quantize_int8_of_the_files_weights(type_name, monkeypatc
     """The numpy requantization of wider types gives formats.quantize_int8's codes and scales,
     across chunk boundaries (chunks of 7 rows here)."""
     from tokenmill.models.loader import gguf_loader as loader
-    from tokenmill.quantization.formats import quantize_int8
+    from tokenmill.layers.quantization.formats import quantize_int8
 
     rng = np.random.default_rng(1)
     blocks = gguf.quants.quantize(rng.standard_normal((40, 256)).astype(np.float32), T[type_name])
@@ -147,7 +147,7 @@ def test_int4_keeps_the_files_4_bit_codes(tmp_path, tied):
     own codes, as "auto" does, where rounding the dequantized values again would give other codes
     (Q4_0's grid is not the 16 levels from a group's min to its max); a linear with a wider tensor
     is rounded, and so is a tied head, from the embedding, which loads dense."""
-    from tokenmill.quantization.formats import record_from_rtn
+    from tokenmill.layers.quantization.formats import record_from_rtn
 
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 128, "intermediate_size": 128}), tie_word_embeddings=tied)
     path = tmp_path / "mixed.gguf"

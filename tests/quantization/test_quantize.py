@@ -23,7 +23,7 @@ from tokenmill.quantization.awq import awq_int4, clip_search_int4, output_error,
 from tokenmill.layers.linear import build_linear
 from tokenmill.models.loader import load_checkpoint
 from tokenmill.quantization.calibration import calibration_sequences, calibration_texts, collect_stats, quantize_sequentially
-from tokenmill.quantization.formats import dequantize_record, quantize_rows_int8, record_from_rtn
+from tokenmill.layers.quantization.formats import dequantize_record, quantize_rows_int8, record_from_rtn
 from tokenmill.quantization.gptq import gptq_int4
 from tokenmill.quantization.smoothquant import smoothquant_w8a8
 

@@ -424,10 +424,10 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
 }
 
 // int4_linear's weight in the level's tiles of `width` output channels (layers/linear.py
-// _tiled_int4_layout): AVX-512 BF16 width 16 (the layout above), AVX2 width 8
+// tiled_int4_layout): AVX-512 BF16 width 16 (the layout above), AVX2 width 8
 // (cpu_gemv_avx2.cpp); packed [N/width, K width/64, 32] uint8, pairs [N/width, K/group_size,
 // 2 width] bf16, or a Q4_K tensor's factors (group_size 32): at width 8 its super-blocks
-// (_tiled_int4_super_blocks: uint8 [N/8, K/256, 128]), at width 16 _tiled_int4_factors' table
+// (tiled_int4_super_blocks: uint8 [N/8, K/256, 128]), at width 16 tiled_int4_factors' table
 // (uint8 [N/16, K/256, kInt4FactorBytes]). Returns N.
 int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
@@ -478,7 +478,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 // x [M, K] contiguous, any M >= 1, and the codes in the level's tiles (layers/linear.py
-// _tiled_int8_layout): at AVX-512 BF16 x bf16, tiles [N/16, K/2, 32], K a multiple of 4 (exact
+// tiled_int8_layout): at AVX-512 BF16 x bf16, tiles [N/16, K/2, 32], K a multiple of 4 (exact
 // products, fp32 sums, one rounding); at AVX2 x fp32, tiles [N/8, K/4, 32], K a multiple of 32
 // (x in int8 per block of 32, cpu_gemv_avx2.cpp). scales [N] bf16. Returns y [M, N] in x's
 // dtype = (x codes^T) * scales.
@@ -508,8 +508,8 @@ at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& tiles, const
 }
 
 // x [M, K] fp32 or bf16 contiguous, any M >= 1; a 6-bit weight in tiles of 8 output channels
-// (layers/linear.py _tiled_int6_layout): low [N/8, K/8, 32] and high [N/8, K/16, 32] uint8, scales
-// [N/8, K/16, 8] bf16 (groups of 16) or a Q6_K tensor's super-blocks (_tiled_int6_super_blocks:
+// (layers/quantization/cpu_layouts.py tiled_int6_layout): low [N/8, K/8, 32] and high [N/8, K/16, 32] uint8, scales
+// [N/8, K/16, 8] bf16 (groups of 16) or a Q6_K tensor's super-blocks (tiled_int6_super_blocks:
 // uint8 [N/8, K/256, 144]), K a multiple of 32. Every level from AVX2 up runs the AVX2 kernel (x in
 // int8 per block of 32, cpu_gemv_avx2.cpp). Returns y [M, N] in x's dtype.
 // Int6Linear's tiles (int6_linear, int6_gemm): low uint8 [N/8, K/8, 32], high [N/8, K/16, 32],

@@ -257,7 +257,7 @@ void int8_rows(const QuantizedRows& xq, int64_t r0, const int8_t* codes, const u
 }
 
 // int8 over tiles of 8 output channels (Int8Linear's layout at this level, layers/linear.py
-// _tiled_int8_layout, width 8): tile [K/4, 32], byte 4c + j of step t = code(c, 4t + j). x's 4
+// tiled_int8_layout, width 8): tile [K/4, 32], byte 4c + j of step t = code(c, 4t + j). x's 4
 // codes broadcast, vpmaddubsw with |w| unsigned and x with w's sign (as int8_rows), then
 // vpmaddwd per step: the int16 pair sums of int8 x int8 (up to 2 x 128 x 127) leave no room to
 // add two. Twice the multiply-port instructions of int4 per product, half of fp32's; few rows
@@ -306,7 +306,7 @@ void int8_tile(const QuantizedRows& xq, int64_t r0, const int8_t* tile, const fl
 }
 
 // int4 over tiles of 8 output channels (Int4Linear's layout at this level, layers/linear.py
-// _tiled_int4_layout, width 8): codes [N/8, K/8, 32], byte 4c + j of step t = q(c, 8t + j) |
+// tiled_int4_layout, width 8): codes [N/8, K/8, 32], byte 4c + j of step t = q(c, 8t + j) |
 // q(c, 8t + 4 + j) << 4, so one 32-byte load gives the 8 channels' codes for 4 input channels
 // (low nibbles) and the next 4 (high), each channel's 4 codes in its own 32-bit lane. x's 4 codes
 // are broadcast to every lane, vpmaddubsw multiplies them with the 8 channels' codes, and the
@@ -443,7 +443,7 @@ void int4_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, Factor
 }
 
 #ifdef TOKENMILL_AVX512_BF16
-// int4 at avx512_bf16 (layers/linear.py _tiled_int4_layout at width 16, span 4): int4_tile's
+// int4 at avx512_bf16 (layers/quantization/cpu_layouts.py tiled_int4_layout at width 16, span 4): int4_tile's
 // arithmetic on 512-bit registers, 16 output channels a tile. Codes [N/16, K/8, 64], byte 4c + j
 // of step t = q(c, 8t + j) | q(c, 8t + 4 + j) << 4: one 64-byte load gives the 16 channels'
 // codes for 4 input channels (low nibbles) and the next 4 (high), each channel's 4 codes in its
@@ -475,7 +475,7 @@ struct WidePairs {
   }
 };
 
-// A Q4_K tensor's factors at width 16 (layers/linear.py _tiled_int4_factors; kInt4FactorBytes
+// A Q4_K tensor's factors at width 16 (layers/quantization/cpu_layouts.py tiled_int4_factors; kInt4FactorBytes
 // per tile and super-block): the 16 channels' fp16 d and m, then per block their scale factors
 // and min factors a byte each; scale = d sc, min = m mn, as SuperBlocks gives them.
 struct WideFactors {
@@ -563,7 +563,7 @@ inline void store8(c10::BFloat16* p, __m256 v) {
 #endif
 
 // 6-bit weights (symmetric groups of 16, w = scale (q - 32), q = 0..63) over tiles of 8 output
-// channels (Int6Linear's layout, layers/linear.py _tiled_int6_layout): low [N/8, K/8, 32], each
+// channels (Int6Linear's layout, layers/quantization/cpu_layouts.py tiled_int6_layout): low [N/8, K/8, 32], each
 // byte the low 4 bits of two codes exactly as int4's tile holds its codes; high [N/8, K/16, 32],
 // byte p of pair u the top 2 bits of the codes of low byte p in steps 2u (bits 0-3) and 2u + 1
 // (bits 4-7), each byte's two codes' bits low nibble's first; scales [N/8, K/16, 8] bf16 (a pair

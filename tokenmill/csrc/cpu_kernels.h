@@ -52,13 +52,13 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 // int6_linear also take bf16 x, and return y in x's dtype).
 namespace tokenmill::avx2 {
 // Bytes per tile of 8 output channels and super-block of 256 input channels in the GGUF factor
-// tables (layers/linear.py _tiled_int4_super_blocks, _tiled_int6_super_blocks): Q4_K's 8 fp16 d
+// tables (layers/quantization/cpu_layouts.py tiled_int4_super_blocks, tiled_int6_super_blocks): Q4_K's 8 fp16 d
 // and 8 fp16 m, then 128 six-bit factors in 96 bytes; Q6_K's 8 fp16 d, then 16 groups' 8 int8
 // factors.
 constexpr int64_t kQ4kSuperBlockBytes = 32 + 64 + 32;
 constexpr int64_t kQ6kSuperBlockBytes = 16 + 16 * 8;
 // At AVX-512 BF16 a Q4_K tensor's factors per tile of 16 output channels and super-block
-// (layers/linear.py _tiled_int4_factors): the 16 channels' fp16 d and m, then per block of 32
+// (layers/quantization/cpu_layouts.py tiled_int4_factors): the 16 channels' fp16 d and m, then per block of 32
 // their 16 scale factors and 16 min factors, a byte each (4.625 bits a weight with the codes).
 constexpr int64_t kInt4FactorBytes = 64 + 8 * 32;
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);

@@ -13,7 +13,7 @@ final norm and the LM head are on every stage: the last stage's hidden states ar
 every rank computes the same logits and samples the same tokens (models/llama.py, worker/).
 
 A checkpoint tensor arrives whole, dense or as a quantized record ({"codes", "scales"[, "mins"]},
-quantization/formats.py: per output row, int4 codes two to a byte in groups along the input; a
+layers/quantization/formats.py: per output row, int4 codes two to a byte in groups along the input; a
 Q4_K tensor's also its "factors" per group and "super_factors" per 256 inputs, models/gguf_blocks.py):
 `local_name` renames it into this rank's model and `local_part` keeps the rows or columns the
 rank holds.

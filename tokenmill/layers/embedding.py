@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.quantization.formats import dequantize_record
+from tokenmill.layers.quantization.formats import dequantize_record
 
 class QuantizedEmbedding(nn.Module):
     """`nn.Embedding` over an int4 record (codes uint8 [V, H/2], scales and mins float32 [V, H/g])

@@ -24,7 +24,7 @@ and int8 layers run matmuls of 1-3 rows — decode steps of a few requests — w
 speed where PyTorch's kernels do not (1.3-1.6x on the default model's matrices at 1 row); more
 rows keep PyTorch's kernels, except many rows of int8 (above `max_rows`: `int8_gemm`), at a bf16
 matmul's speed. The int4 layer runs tokenmill's `int4_linear` at every row count (one kernel over
-a layout of its own, without PyTorch's packed copy).
+a layout of its own, `layers.quantization.cpu_layouts`, without PyTorch's packed copy).
 
 On CUDA the int8 and int4 layers choose a kernel per call by row count (`cuda_int8_kernel`,
 `cuda_int4_kernel`), from the thresholds of one table, `CUDA_GEMM_ROWS`: PyTorch's weight-only
@@ -44,7 +44,11 @@ from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
 from tokenmill.layers.cpu_isa import host_isa, onednn_bf16, onednn_int8_exact
-from tokenmill.quantization.formats import FP8_MAX, dequantize_int4, dequantize_int6, quantize_rows_int8, unpack_int4
+from tokenmill.layers.quantization.cpu_layouts import (
+    PACK_ROWS, int8_tiles_fit, tile_width, tiled_int4_factors, tiled_int4_layout, tiled_int4_pairs,
+    tiled_int4_super_blocks, tiled_int6_layout, tiled_int6_super_blocks, tiled_int8_layout,
+)
+from tokenmill.layers.quantization.formats import FP8_MAX, dequantize_int4, dequantize_int6, quantize_rows_int8, unpack_int4
 
 
 # The most rows the bf16 and int8 few-row kernels take here and in the DecoderStack at avx512_bf16.
@@ -109,7 +113,7 @@ class DenseLinear(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """A linear layer built from a quantized record (`tokenmill.quantization.formats`):
+    """A linear layer built from a quantized record (`tokenmill.layers.quantization.formats`):
     y = matmul(x * input_scale) + bias, in x's dtype. Subclasses implement `_matmul`."""
 
     def __init__(self, record: dict[str, torch.Tensor], bias: torch.Tensor | None, input_scale_dtype: torch.dtype):
@@ -221,8 +225,8 @@ class Int8Linear(QuantizedLinear):
     avx512_bf16) where the kernels are given, else the weight dequantized and multiplied in bf16.
     With `kernels` (see Int4Linear; in_features a multiple of 16), 1-3
     rows run `kernels.int8_linear` on the same codes. Where the level's tiles fit
-    (`_int8_tiles_fit`) every row count runs `kernels.int8_tiled_linear` instead, on the codes in
-    tiles of output channels (`_tiled_int8_layout`, the only copy kept): no transposes or
+    (`int8_tiles_fit`) every row count runs `kernels.int8_tiled_linear` instead, on the codes in
+    tiles of output channels (`tiled_int8_layout`, the only copy kept): no transposes or
     repacking per call. At avx512_bf16 (tiles of 16) on the default model's matrices (2 cores,
     Zen 5) never slower than the bf16 layer (0.5x its time at 1 row, 0.4x at 4-8, 0.6-0.95x from
     12 to 64, 0.67x at 256); at avx2 tiles of 8 with x in int8 per block of 32 (vpmaddubsw).
@@ -253,8 +257,8 @@ class Int8Linear(QuantizedLinear):
 
             self.cuda_rows, self.triton_gemm = cuda_rows, int8_gemm
             self.codes = self.codes.contiguous()
-        if kernels is not None and self.codes.device.type == "cpu" and _int8_tiles_fit(kernels, *self.codes.shape):
-            self.kernel, self.tiles, self.codes = kernels, _tiled_int8_layout(self.codes, _tile_width(kernels)), None
+        if kernels is not None and self.codes.device.type == "cpu" and int8_tiles_fit(kernels, *self.codes.shape):
+            self.kernel, self.tiles, self.codes = kernels, tiled_int8_layout(self.codes, tile_width(kernels)), None
         elif (kernels is not None and self.codes.device.type == "cpu" and kernels.gemv_supported()
                 and self.in_features % 16 == 0):
             self.kernel = kernels
@@ -312,11 +316,11 @@ class Int4Linear(QuantizedLinear):
     every row count on the codes in the level's tiled layout, and PyTorch's packed copy is not
     made. The activations are quantized to int8 per block of 32 and multiplied with the codes in
     integers (csrc/cpu_gemv_avx2.cpp), over tiles of 16 output channels at avx512_bf16
-    (`vpdpbusd` on 512 bits) and of 8 at avx2 to avx512_vnni (`_tiled_int4_layout`): both give
+    (`vpdpbusd` on 512 bits) and of 8 at avx2 to avx512_vnni (`tiled_int4_layout`): both give
     the same fp32 sums, bit for bit. A GGUF Q4_K tensor's record brings its own factors, which
     the kernels read in place of bf16 scales and mins, exact: at avx2 to avx512_vnni in 6 bits
-    (`_tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5), at avx512_bf16 a byte
-    each (`_tiled_int4_factors`: 4.625 bits).
+    (`tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5), at avx512_bf16 a byte
+    each (`tiled_int4_factors`: 4.625 bits).
 
     On CUDA the kernel is `cuda_int4_kernel`'s by row count and `cuda_rows`: PyTorch's tinygemm
     (`_weight_int4pack_mm`) for few rows where the shape fits it (group size 32-256,
@@ -366,16 +370,16 @@ class Int4Linear(QuantizedLinear):
             return
         if (kernels is not None and kernels.gemv_supported() and self.in_features % 64 == 0
                 and (self.group_size == 32 or self.group_size % 64 == 0)
-                and self.out_features % _tile_width(kernels) == 0):
+                and self.out_features % tile_width(kernels) == 0):
             self.kernel = kernels
-            width = _tile_width(kernels)
-            self.kernel_codes = _tiled_int4_layout(record["codes"], width)
+            width = tile_width(kernels)
+            self.kernel_codes = tiled_int4_layout(record["codes"], width)
             self.kernel_pairs = None
             if "super_factors" in record and self.group_size == 32 and self.in_features % 256 == 0:
-                self.kernel_pairs = (_tiled_int4_super_blocks(record["factors"], record["super_factors"]) if width == 8
-                                     else _tiled_int4_factors(record["factors"], record["super_factors"]))
+                self.kernel_pairs = (tiled_int4_super_blocks(record["factors"], record["super_factors"]) if width == 8
+                                     else tiled_int4_factors(record["factors"], record["super_factors"]))
             if self.kernel_pairs is None:
-                self.kernel_pairs = _tiled_int4_pairs(scales, mins, width)
+                self.kernel_pairs = tiled_int4_pairs(scales, mins, width)
             # The kernels take every row count: PyTorch's copy of the codes would never be read.
             self.packed = self.scales_and_zeros = torch.empty(0, dtype=torch.uint8)
         else:
@@ -384,7 +388,7 @@ class Int4Linear(QuantizedLinear):
             codes = F.pad(record["codes"], (0, 0, 0, self.padding))
             self.scales_and_zeros = F.pad(self.scales_and_zeros, (0, 0, 0, self.padding))
             self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(part), 2)
-                                     for part in codes.split(_PACK_ROWS)])
+                                     for part in codes.split(PACK_ROWS)])
 
     def _matmul(self, x):
         if self.kernel is not None:
@@ -420,9 +424,9 @@ class Int6Linear(QuantizedLinear):
 
     With the kernels (AVX2 and up) and out_features a multiple of 8, in_features of 32:
     `kernels.int6_linear` at every row count, over tiles of 8 output channels
-    (`_tiled_int6_layout`; x in int8 per block of 32, as the int4 kernel at avx2); a Q6_K
+    (`tiled_int6_layout`; x in int8 per block of 32, as the int4 kernel at avx2); a Q6_K
     record's own factors in place of the bf16 scales where in_features are a multiple of 256
-    (`_tiled_int6_super_blocks`: 6.5625 bits a weight). At avx512_bf16 int6_linear takes pairs
+    (`tiled_int6_super_blocks`: 6.5625 bits a weight). At avx512_bf16 int6_linear takes pairs
     of tiles on 512-bit registers from 2 rows (`vpdpbusd`, the same sums), and above `max_rows`
     (INT6_GEMM_MIN_ROWS - 1) rows `kernels.int6_gemm` runs on the same tiles instead: each weight
     widened once per call to bf16, bf16 products. Otherwise the dequantized weight in fp32 and
@@ -439,9 +443,9 @@ class Int6Linear(QuantizedLinear):
             self.kernel = kernels
             if kernels.native_bf16():
                 self.max_rows = INT6_GEMM_MIN_ROWS - 1
-            self.low, self.high = _tiled_int6_layout(codes)
+            self.low, self.high = tiled_int6_layout(codes)
             if "super_factors" in record and self.in_features % 256 == 0:
-                self.tile_scales = _tiled_int6_super_blocks(record["factors"], record["super_factors"])
+                self.tile_scales = tiled_int6_super_blocks(record["factors"], record["super_factors"])
             else:  # [N/8, K/16, 8] bf16, a tile's 8 scales per group
                 self.tile_scales = scales.reshape(self.out_features // 8, 8, -1).transpose(1, 2).to(torch.bfloat16).contiguous()
         else:
@@ -481,133 +485,6 @@ class StackedLinear(nn.Module):
         if any(spec is None for spec in specs):
             return None
         return ("stacked", tuple(specs), None, None, None, 0, None, None, 0)
-
-
-def _tiled_int6_layout(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int6 record's codes (uint8 [N, K] 0..63; N a multiple of 8) in the kernel's tiles of 8 output channels (csrc/cpu_gemv_avx2.cpp int6_tile): low [N/8, K/8, 32],
-    the codes' low 4 bits as `_tiled_int4_layout` lays out int4 codes at width 8 (byte 4c + j of
-    step i: input channels 8i + j and 8i + 4 + j of channel c); high [N/8, K/16, 32], byte p of
-    pair u the top 2 bits of low byte p's two codes in step 2u (bits 0-3: the low nibble's code,
-    then the high nibble's) and in step 2u + 1 (bits 4-7), a pair of steps being a group of 16
-    (the groups' scales: Int6Linear's tile_scales)."""
-    n, k = codes.shape
-    steps = k // 8
-    low = _tiled_int4_layout((codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4), 8)
-    out = torch.empty(n // 8, steps // 2, 32, dtype=torch.uint8)
-    for start in range(0, n, _PACK_ROWS):
-        part = codes[start : start + _PACK_ROWS] >> 4
-        tiles = part.shape[0] // 8
-        top = part.view(tiles, 8, steps, 2, 4)  # [tile, c, i, h, j]: input channel 8i + 4h + j of channel c
-        quads = (top[:, :, :, 0] | (top[:, :, :, 1] << 2)).permute(0, 2, 1, 3).reshape(tiles, steps, 32)
-        out[start // 8 : start // 8 + tiles] = quads[:, 0::2] | (quads[:, 1::2] << 4)
-    return low, out
-
-
-def _tiled_int6_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
-    """A Q6_K record's factors (int8 [N, K/16]: each group's sc; float16 [N, K/256]: each
-    super-block's d, scale = d sc; models/gguf_blocks.py) in the int6 kernel's table in place of
-    the bf16 tile scales (csrc/cpu_gemv_avx2.cpp Int6SuperBlocks): uint8 [N/8, K/256, 144], per
-    tile of 8 output channels and super-block the 8 channels' d (fp16), then per group of 16
-    their 8 factors."""
-    n, groups = factors.shape
-    supers = groups // 16
-    heads = super_factors.to(torch.float16).reshape(n // 8, 8, supers).transpose(1, 2).contiguous()
-    per_group = factors.view(torch.uint8).reshape(n // 8, 8, supers, 16).permute(0, 2, 3, 1)  # [tile, super, group, c]
-    return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 16),
-                      per_group.reshape(n // 8, supers, 128)], dim=2).contiguous()
-
-
-# Rows converted at a time when laying out int4 codes (the unpacked codes are 1-4 bytes a weight).
-_PACK_ROWS = 4096
-
-
-def _tiled_int4_layout(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """A record's int4 codes (uint8 [N, K/2], code 2i in byte i's low nibble; N a multiple of
-    `width`) in a level's tiled layout: output channels in tiles of `width`, and per tile and
-    step of 8 input channels 4 `width` bytes, byte 4c + j = code(c, 8i + j) | code(c, 8i + 4 + j)
-    << 4 for channel c of the tile (j < 4): each nibble half holds the channels' words of 4 input
-    channels, as vpdpbusd (width 16, avx512_bf16) or vpmaddubsw (width 8, avx2 to avx512_vnni)
-    takes them against 4 broadcast int8 codes of x (csrc/cpu_gemv_avx2.cpp). Returned as
-    [N/width, K width/64, 32]."""
-    n, k = codes.shape[0], codes.shape[1] * 2
-    steps = k // 8
-    out = torch.empty(n // width, steps, 4 * width, dtype=torch.uint8)
-    for start in range(0, n, _PACK_ROWS):
-        part = codes[start : start + _PACK_ROWS]
-        tiles = part.shape[0] // width
-        # [tile, c, i, h, j]: input channel 8i + 4h + j of channel c
-        nibbles = torch.stack([part & 0xF, part >> 4], dim=-1).view(tiles, width, steps, 2, 4)
-        words = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [tile, c, i, j]
-        out[start // width : start // width + tiles] = words.permute(0, 2, 1, 3).reshape(tiles, steps, 4 * width)
-    return out.view(n // width, k * width // 64, 32)
-
-
-def _tiled_int4_pairs(scales: torch.Tensor, mins: torch.Tensor, width: int) -> torch.Tensor:
-    """A record's scales and mins ([N, groups]) beside `_tiled_int4_layout`'s codes: [N/width,
-    groups, 2 width] bf16, per tile and group its `width` scales then its mins."""
-    n, groups = scales.shape
-    per_tile = torch.cat([scales.reshape(n // width, width, groups), mins.reshape(n // width, width, groups)], dim=1)
-    return per_tile.transpose(1, 2).to(torch.bfloat16).contiguous()
-
-
-def _tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor | None:
-    """A Q4_K record's factors (uint8 [N, K/32, 2]: each group's 6-bit scale and min factor;
-    float16 [N, K/256, 2]: each super-block's d and m, scale = d sc, min = m mn;
-    models/gguf_blocks.py) in the AVX2 int4 kernel's table (csrc/cpu_gemv_avx2.cpp SuperBlocks),
-    in place of the bf16 pairs: uint8 [N/8, K/256, 128], per tile of 8 output channels and
-    super-block its 8 d (fp16), its 8 m, then its 128 factors f (per group of 32 the 8 channels'
-    scale factors, then their min factors) in 96 bytes: f[i] % 16 in the low nibble of byte i
-    (i < 64) or the high nibble of byte i - 64, f[i] // 16 at bits 2 (i // 32) of byte 64 + i % 32.
-    None if a factor does not fit 6 bits."""
-    n, groups = factors.shape[:2]
-    if factors.max() >= 64:
-        return None
-    supers = groups // 8
-    f = factors.reshape(n // 8, 8, supers, 8, 2).permute(0, 2, 3, 4, 1).reshape(n // 8, supers, 128)
-    low = f[..., :64] & 15 | (f[..., 64:] & 15) << 4
-    top = f >> 4
-    high = top[..., :32] | top[..., 32:64] << 2 | top[..., 64:96] << 4 | top[..., 96:] << 6
-    heads = super_factors.to(torch.float16).reshape(n // 8, 8, supers, 2).permute(0, 2, 3, 1).contiguous()
-    return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 32), low, high], dim=2).contiguous()
-
-
-def _tiled_int4_factors(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
-    """A Q4_K record's factors (uint8 [N, K/32, 2]: each group's scale and min factor; float16
-    [N, K/256, 2]: each super-block's d and m, scale = d sc, min = m mn; models/gguf_blocks.py)
-    in the AVX-512 BF16 int4 kernel's table (csrc/cpu_gemv.cpp kInt4FactorBytes), in place of the
-    bf16 pairs: uint8 [N/16, K/256, 320], per tile of 16 output channels and super-block its 16 d
-    and 16 m (fp16), then per group its 16 scale factors and 16 min factors, a byte each."""
-    n, groups = factors.shape[:2]
-    supers = groups // 8
-    heads = super_factors.to(torch.float16).reshape(n // 16, 16, supers, 2).permute(0, 2, 3, 1).contiguous()
-    per_group = factors.reshape(n // 16, 16, supers, 8, 2).permute(0, 2, 3, 4, 1).reshape(n // 16, supers, 256)
-    return torch.cat([heads.view(torch.uint8).reshape(n // 16, supers, 64), per_group], dim=2).contiguous()
-
-
-def _tile_width(kernels) -> int:
-    """Output channels per tile of the kernels' int4 and int8 layouts: 16 at avx512_bf16 (int4 by
-    512-bit vpdpbusd, int8 by vdpbf16ps), 8 at avx2 to avx512_vnni (vpmaddubsw or vpdpbusd)."""
-    return 16 if kernels.native_bf16() else 8
-
-
-def _int8_tiles_fit(kernels, out_features: int, in_features: int) -> bool:
-    """Whether `kernels.int8_tiled_linear` takes an int8 weight of this shape at the kernels'
-    level: tiles of 16 output channels and pairs of input channels at avx512_bf16, tiles of 8
-    and blocks of 32 input channels (x's int8 blocks) at avx2 to avx512_vnni."""
-    if not kernels.gemv_supported() or out_features % _tile_width(kernels):
-        return False
-    return in_features % (16 if kernels.native_bf16() else 32) == 0
-
-
-def _tiled_int8_layout(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """int8 codes [N, K] (N a multiple of `width`) in a level's tiled layout: output channels in
-    tiles of `width`, and per tile and step of s = 32 / width input channels 32 bytes, byte
-    s c + j of step p = code(width t + c, s p + j): [N/width, K/s, 32]. Width 16 (avx512_bf16,
-    csrc/cpu_gemv.cpp): pairs for vdpbf16ps; width 8 (avx2, csrc/cpu_gemv_avx2.cpp): words of 4
-    for vpmaddubsw against 4 broadcast codes of x."""
-    n, k = codes.shape
-    span = 32 // width
-    return codes.view(n // width, width, k // span, span).permute(0, 2, 1, 3).reshape(n // width, k // span, 32).contiguous()
 
 
 class W8A8Linear(QuantizedLinear):

@@ -1,4 +1,4 @@
-"""GGUF's quantized weights in tokenmill's weight formats (`quantization/formats.py`), without a
+"""GGUF's quantized weights in tokenmill's weight formats (`layers/quantization/formats.py`), without a
 detour through float32 where the block type allows it.
 
 Q4_0, Q4_1 and Q4_K hold 4-bit codes q in 0..15 and, per group of 32 weights, w = q * s + m: an

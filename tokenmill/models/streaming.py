@@ -28,9 +28,9 @@ from torch import nn
 from tokenmill.config import ConfigError
 from tokenmill.layers.embedding import QuantizedEmbedding
 from tokenmill.layers.linear import DenseLinear, StackedLinear, build_linear
+from tokenmill.layers.quantization.formats import AUTO, LM_HEAD, ROUTER_SUFFIXES, record_from_rtn
 from tokenmill.models import gguf_blocks
 from tokenmill.models.loader import LoadedCheckpoint, expected_weight_shapes
-from tokenmill.quantization.formats import AUTO, LM_HEAD, ROUTER_SUFFIXES, record_from_rtn
 
 _log = logging.getLogger(__name__)
 

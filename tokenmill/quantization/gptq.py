@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.layers.quantization.formats import int4_codes, int4_group_params, layer_group_size, pack_int4
 from tokenmill.quantization.calibration import LinearStats
-from tokenmill.quantization.formats import int4_codes, int4_group_params, layer_group_size, pack_int4
 
 
 def gptq_int4(weight: torch.Tensor, stats: LinearStats, group_size: int, damp: float = 0.1, block: int = 128,

@@ -1,10 +1,11 @@
 """Quantizing a model's linear layers, and the quantized checkpoint format.
 
 Every method is a module swap: each `nn.Linear` of the model is replaced by the layer of its
-method (`tokenmill.layers.linear`), built from a record of tensors (`formats`). Round-to-nearest
-makes the record from the weight alone; the calibrated algorithms from the weight and the
-statistics of that layer's inputs on calibration data, layer after layer with the earlier ones
-already quantized (`calibration.quantize_sequentially`). The model code never branches on any of it.
+method (`tokenmill.layers.linear`), built from a record of tensors
+(`tokenmill.layers.quantization.formats`). Round-to-nearest makes the record from the weight
+alone; the calibrated algorithms from the weight and the statistics of that layer's inputs on
+calibration data, layer after layer with the earlier ones already quantized
+(`calibration.quantize_sequentially`). The model code never branches on any of it.
 
 A quantized checkpoint (written by `tokenmill quantize`, read by `load_checkpoint`) is a
 directory: `config.json` (the architecture in Hugging Face's keys plus a `quantization_config`
@@ -28,8 +29,8 @@ from torch import nn
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.layers.linear import DenseLinear, build_linear
+from tokenmill.layers.quantization.formats import AUTO, LM_HEAD, ROUTER_SUFFIXES, record_from_rtn
 from tokenmill.quantization import calibration
-from tokenmill.quantization.formats import AUTO, LM_HEAD, ROUTER_SUFFIXES, record_from_rtn
 
 if TYPE_CHECKING:
     from tokenmill.models.loader import LoadedCheckpoint

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.layers.quantization.formats import quantize_int8, quantize_rows_int8
 from tokenmill.quantization.calibration import LinearStats
-from tokenmill.quantization.formats import quantize_int8, quantize_rows_int8
 
 ALPHA_GRID = tuple(i / 10 for i in range(10))
 

@@ -7,7 +7,7 @@ the runner owns that cache and passes it in. In a step the runner calls `forward
 target's forward (the draft's K/V of every computed token: a catch-up, then the step's tokens) and
 `propose` after sampling and verification.
 
-The requests are the runner's states (worker/model_runner.py: CachedRequestState): this reads
+The requests are the runner's states (worker/request_state.py: CachedRequestState): this reads
 their req_id, token_ids, num_prompt_tokens, block_ids, num_computed_tokens and grammar, and sets
 their draft_num_computed and draft_probs.
 """

@@ -1,19 +1,23 @@
-"""How much GPU memory the KV cache gets: the arithmetic, kept free of torch so it is tested on CPU.
+"""How much GPU memory the KV cache gets: the arithmetic, and the profiled step's schedule, kept free
+of torch so they are tested on CPU.
 
 At start-up on CUDA (when neither kv_cache_memory_gb nor num_kv_blocks is given) the model runner
-loads the weights, runs the worst step the scheduler can produce once (`profile_prompt_lens`
-requests over a scratch KV cache: a full token budget, every request sampled) and reads the
-device's memory (`MemoryProfile`). The KV cache then gets what `gpu_memory_utilization` of the
-device leaves: `kv_cache_budget_bytes`. When decode steps will replay CUDA graphs, whose memory
-pool exists only once they are captured (after the KV cache), the runner also runs the largest
-captured decode step eagerly and reserves GRAPH_POOL_MARGIN times its peak for the pool.
+loads the weights, runs the worst step the scheduler can produce once (`worst_case_step`:
+`profile_prompt_lens` requests over a scratch KV cache: a full token budget, every request
+sampled) and reads the device's memory (`MemoryProfile`). The KV cache then gets what
+`gpu_memory_utilization` of the device leaves: `kv_cache_budget_bytes`. When decode steps will
+replay CUDA graphs, whose memory pool exists only once they are captured (after the KV cache),
+the runner also runs the largest captured decode step eagerly and reserves GRAPH_POOL_MARGIN
+times its peak for the pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.config import ConfigError
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.outputs import NewRequestData, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
 
 GiB = 2**30
 # The CUDA graphs' pool against one eager run of the largest captured step: every captured size's
@@ -90,6 +94,36 @@ def profile_prompt_lens(max_num_batched_tokens: int, max_num_seqs: int, max_mode
         extra -= add
     assert extra == 0 and sum(lens) == num_tokens
     return lens
+
+
+def worst_case_step(config: EngineConfig, block_size: int, max_model_len: int) -> tuple[SchedulerOutput, int]:
+    """The profiled step as the scheduler would hand it over, and the number of KV blocks its
+    requests hold (numbered from 0): `profile_prompt_lens` requests, each new, all scheduled
+    whole. Every request is sampled along the sampler's costliest path, so its fp32 [rows, vocab]
+    tensors are as large as they get: top-p alone and so close to 1 that no row is settled by its
+    top candidates (each is sorted in full), min-p, repetition / frequency / presence penalties
+    over an output token (each request is a resumed one whose last token is output), 20 logprobs
+    and prompt logprobs; seeded, so the sampler's shared generator is left as it was. With
+    speculation each request asks for num_speculative_tokens drafts."""
+    params = SamplingParams(temperature=1.0, top_p=1 - 1e-6, min_p=0.01, repetition_penalty=1.1,
+                            frequency_penalty=0.1, presence_penalty=0.1, logprobs=20, prompt_logprobs=True,
+                            seed=0, max_tokens=1)
+    new_reqs = []
+    num_blocks = 0
+    for i, n in enumerate(profile_prompt_lens(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)):
+        blocks = list(range(num_blocks, num_blocks + -(-n // block_size)))
+        num_prompt = max(1, n - 1)  # the last token, if there are two, is output
+        new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, num_prompt, params, [], blocks, 0))
+        num_blocks += len(blocks)
+    step = SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new_reqs},
+        total_num_scheduled_tokens=sum(len(r.token_ids) for r in new_reqs),
+        propose_drafts=config.speculative_method is not None,
+        num_drafts_to_propose={r.req_id: config.num_speculative_tokens for r in new_reqs},
+    )
+    return step, num_blocks
 
 
 def _gib(num_bytes: int) -> str:

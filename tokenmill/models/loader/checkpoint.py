@@ -36,7 +36,7 @@ class LoadedCheckpoint:
                 ) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
         """(Hugging Face name, float32 tensor in `[out, in]` layout), one tensor at a time; for
         a name in `records` (a GGUF file's quantized tensors: `stored_types`) the record of its
-        method there instead (quantization/formats.py): "int4", the file's own codes (types of
+        method there instead (layers/quantization/formats.py): "int4", the file's own codes (types of
         models.gguf_blocks.INT4_REPACKED, group size 32); "int6", the file's own codes and scales
         (Q6_K); "int8", requantized per output channel a block of rows at a time (no float32 copy
         of the whole tensor).

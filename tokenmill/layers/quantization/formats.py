@@ -2,7 +2,7 @@
 a quantized linear is stored as (in memory before packing for a kernel, and on disk).
 
 A format's record is a dict of tensors, the same for every way of choosing its codes (plain
-round-to-nearest here, AWQ / GPTQ / SmoothQuant in their modules):
+round-to-nearest here, AWQ / GPTQ / SmoothQuant in tokenmill/quantization/):
 
 | method | record |
 |---|---|
