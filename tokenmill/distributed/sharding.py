@@ -10,7 +10,7 @@ rank holds its own heads.
 
 Pipeline parallelism: each stage holds a contiguous range of decoder layers. The embedding, the
 final norm and the LM head are on every stage: the last stage's hidden states are broadcast and
-every rank computes the same logits and samples the same tokens (models/llama.py, worker/).
+every rank computes the same logits and samples the same tokens (models/base.py, worker/).
 
 A checkpoint tensor arrives whole, dense or as a quantized record ({"codes", "scales"[, "mins"]},
 layers/quantization/formats.py: per output row, int4 codes two to a byte in groups along the input; a

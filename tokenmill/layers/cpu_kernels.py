@@ -28,7 +28,7 @@ the Python module is csrc/cpu_bindings.cpp). No build runs on a CPU without its 
   cache; avx512_bf16).
 - `DecoderStack` (csrc/cpu_decoder.cpp): a model's decoder layers for a step (decode-only, or
   with prefill chunks the prefill kernel takes) in one call, the same ops as the Python layers without the
-  interpreter between them (`LlamaForCausalLM.enable_cpu_decoder`).
+  interpreter between them (`models.base.CausalLM.enable_cpu_decoder`).
 - `sample_rows` (csrc/cpu_sampler.cpp): one sampled token per row of fp32 logits (temperature,
   min-p, Gumbel-max with noise hashed from a per-row key) in one pass; plain C++, every level.
 - `isa()`: the level the module was built for.

@@ -1,22 +1,40 @@
-"""Model implementations by architecture, and building one from a loaded checkpoint."""
+"""Model implementations by architecture (one file per family over models/base.py's `CausalLM`),
+and building one from a loaded checkpoint."""
 
 from __future__ import annotations
 
 import torch
 
 from tokenmill.layers.attention import make_backend
+from tokenmill.models.base import CausalLM
+from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.models.loader import SUPPORTED_ARCHITECTURES, LoadedCheckpoint
+from tokenmill.models.mixtral import MixtralForCausalLM
+from tokenmill.models.phi3 import Phi3ForCausalLM
+from tokenmill.models.qwen2 import Qwen2ForCausalLM, Qwen3ForCausalLM
+from tokenmill.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-from tokenmill.models.loader import SUPPORTED_ARCHITECTURES
-
-# Every family runs the one configurable decoder (models/llama.py).
-MODEL_CLASSES = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+# ModelArchConfig.architecture -> the family's model class. A new family: its file, and its line here.
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,  # Llama's layer; its sliding window is the config's
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+# What the loaders open (models/loader/arch.py) is what there is a class for, and nothing else.
+assert MODEL_CLASSES.keys() == set(SUPPORTED_ARCHITECTURES), sorted(MODEL_CLASSES.keys() ^ set(SUPPORTED_ARCHITECTURES))
 
 
 def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype,
                 attention_backend: str = "torch", cpu_kernels=None, device: str = "cpu", parallel=None,
-                shard=None) -> LlamaForCausalLM:
+                shard=None) -> CausalLM:
     """The checkpoint's model class on the CPU with plain nn.Linear layers, weights not loaded
     (`load_weights`, or `quantization.quantize.load_quantized_weights` for a quantized checkpoint),
     attending with the backend named `attention_backend` (`layers.attention.make_backend`);

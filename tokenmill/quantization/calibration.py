@@ -124,7 +124,7 @@ class _Accumulator:
 def collect_stats(model: nn.Module, sequences: list[list[int]], names: list[str], sample_rows: int = 512,
                   batch_tokens: int = 2048, max_stats_gb: float = 2.0) -> dict[str, LinearStats]:
     """Statistics of the inputs of the `nn.Linear` modules `names` of `model` (a
-    `LlamaForCausalLM` with plain nn.Linear layers) over `sequences`."""
+    `models.base.CausalLM` with plain nn.Linear layers) over `sequences`."""
     modules = dict(model.named_modules())
     cost = {name: modules[name].in_features ** 2 * 8 for name in names}  # fp64 x xᵀ
     shares: list[list[str]] = [[]]
@@ -165,7 +165,7 @@ class _Batch:
         input_ids, positions, self.meta, caches = _scratch_prefill(model, sequences, block_size, 1)
         self.cache = caches[0]
         self.cos_sins = model.rope_rows(positions)
-        self.x = model.embed(input_ids)  # as LlamaForCausalLM.forward begins
+        self.x = model.embed(input_ids)  # as CausalLM.forward begins
 
     def run(self, layer: nn.Module) -> torch.Tensor:
         return layer(self.cos_sins, self.x, self.cache, self.meta)
@@ -175,7 +175,7 @@ class _Batch:
 def quantize_sequentially(model: nn.Module, sequences: list[list[int]], names: list[str],
                           quantize: Callable[[str, LinearStats], None], sample_rows: int = 512,
                           batch_tokens: int = 2048) -> None:
-    """Calibrate and quantize the linears `names` of `model` (a `LlamaForCausalLM`) in forward
+    """Calibrate and quantize the linears `names` of `model` (a `models.base.CausalLM`) in forward
     order: `quantize(name, stats)` must swap the linear `name` for its quantized layer; the
     statistics of every later linear are then taken through it (see the module docstring).
     A decoder layer's linears are taken in their registration order, which is their forward

@@ -72,7 +72,7 @@ def layer_inputs(model) -> list[dict[str, torch.nn.Module]]:
 @torch.inference_mode()
 def collect_histograms(model, sequences: list[list[int]], batch_tokens: int = 2048) -> list[dict[str, MagnitudeHistogram]]:
     """The magnitude histograms of every decoder layer's linear inputs over `sequences` (a
-    `LlamaForCausalLM` with plain nn.Linear layers and no experts)."""
+    `models.base.CausalLM` with plain nn.Linear layers and no experts)."""
     from tokenmill.quantization.calibration import prefill_forward, token_batches
 
     if model.config.num_experts:

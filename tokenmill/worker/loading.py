@@ -65,7 +65,7 @@ def draft_checkpoint(config: EngineConfig, target: LoadedCheckpoint, max_model_l
 
 
 def activation_thresholds(config: EngineConfig, checkpoint: LoadedCheckpoint):
-    """The thresholds table for config.activation_sparsity (models/llama.py:
+    """The thresholds table for config.activation_sparsity (models/base.py:
     enable_activation_sparsity), from the model's thresholds file (sparsity/thresholds.py), which
     must have been calibrated for this checkpoint: a `ThresholdTable`."""
     from tokenmill.sparsity.thresholds import find_thresholds, load_thresholds, model_identity

@@ -144,7 +144,7 @@ class ModelRunner:
             logger.info("CPU: %.1f MiB of weights gathered into one buffer", gathered / 2**20)
         self.load_seconds = time.perf_counter() - t0
         # Decode-only steps run the decoder layers in one compiled call where every linear has a
-        # compiled form (models/llama.py: enable_cpu_decoder).
+        # compiled form (models/base.py: enable_cpu_decoder).
         for m in self.models:
             if self.cpu_kernels is not None and getattr(m.attn_backend, "kernels", None) is self.cpu_kernels:
                 m.enable_cpu_decoder(self.cpu_kernels)
@@ -155,7 +155,7 @@ class ModelRunner:
 
     @staticmethod
     def _activation_thresholds(config: EngineConfig, checkpoint: LoadedCheckpoint) -> torch.Tensor:
-        """[num_layers, 4] thresholds for config.activation_sparsity (models/llama.py:
+        """[num_layers, 4] thresholds for config.activation_sparsity (models/base.py:
         enable_activation_sparsity), from the model's thresholds file (worker/loading.py)."""
         table = activation_thresholds(config, checkpoint)
         logger.info("activation sparsity %g on %s steps, thresholds from %s", config.activation_sparsity,
