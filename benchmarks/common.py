@@ -515,7 +515,7 @@ def machine_info() -> dict:
     except OSError:
         pass
     from tokenmill.config import cpu_has_native_bf16, num_physical_cores
-    from tokenmill.layers.cpu_isa import detected_isa, host_isa
+    from tokenmill.cpu_isa import detected_isa, host_isa
 
     info = {
         "cpu_model": cpu_model,

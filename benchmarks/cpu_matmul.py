@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tokenmill.cpu_isa import host_isa
 from tokenmill.layers import cpu_kernels
-from tokenmill.layers.cpu_isa import host_isa
 from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
 from tokenmill.layers.quantization.formats import dequantize_record, record_from_rtn
 

@@ -7,7 +7,7 @@ Three engines are loaded side by side (same model, dtype, threads and KV budget)
   off          no speculation
   on           speculative_method `--speculative-method` as the engine runs it by default: each
                step's drafts chosen from the step cost measured at start and each request's
-               acceptance (spec_decode/cost.py); `--spec-max-running N` adds a fixed limit
+               acceptance (core/draft_plan.py); `--spec-max-running N` adds a fixed limit
   on-fixed     the same method at a fixed draft length, in every step whatever the load
                (speculative_adaptive off, no limit); only for the sweep (`--skip-sweep` leaves
                it out)

@@ -130,7 +130,8 @@ def flat_step_cost():
     token past the first 2% of a step, instead of measuring this host's: what speculation
     computes is tested apart from how busy the machine is when the engine starts
     (tests/engine/test_step_cost.py measures the real one)."""
-    from tokenmill.spec_decode.cost import StepCost, StepCostCache
+    from tokenmill.core.draft_plan import StepCost
+    from tokenmill.spec_decode.cost import StepCostCache
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(StepCostCache, "get", lambda self, key: StepCost((1, 64), (1.0, 2.26)))

@@ -88,7 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _build_kernels(args: argparse.Namespace) -> int:
-    from tokenmill.layers import cpu_isa, cpu_kernels
+    from tokenmill import cpu_isa
+    from tokenmill.layers import cpu_kernels
 
     levels = args.isa or [cpu_isa.host_isa()]
     for isa in levels:

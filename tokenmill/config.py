@@ -10,8 +10,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from tokenmill.cpu_isa import ISA_LEVELS, host_isa, native_bf16
 from tokenmill.faults import FaultPlan
-from tokenmill.layers.cpu_isa import ISA_LEVELS, host_isa, native_bf16
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -57,7 +57,7 @@ class EngineConfig:
     # Not used with an fp8 KV cache (its decode stays on the PyTorch path) nor on CUDA.
     cpu_kernels: bool = True
     # CPU: the instruction-set level the kernels are built for and dtype "auto" is chosen by
-    # (layers/cpu_isa.py): "generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16", or "auto", the host's
+    # (cpu_isa.py): "generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16", or "auto", the host's
     # (capped by the TOKENMILL_CPU_ISA environment variable when set). A level above the
     # host's is an error, a lower one runs that level's code (to measure it on a bigger CPU).
     cpu_isa: str = "auto"
@@ -143,7 +143,7 @@ class EngineConfig:
     # per model, precision and host), and each step every request verifies the number of its
     # drafts (up to num_speculative_tokens) that maximises expected tokens per second, from its
     # recent acceptance; when the step is such that drafts do not pay (many requests running:
-    # compute-bound), nobody speculates (spec_decode/cost.py). Off: always up to
+    # compute-bound), nobody speculates (core/draft_plan.py). Off: always up to
     # num_speculative_tokens. speculative_max_running, if set, turns speculation off in a step
     # while more requests than that are running or waiting.
     speculative_adaptive: bool = True
@@ -176,6 +176,24 @@ class EngineConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
+        # The checks run in this order and raise at the first value out of range.
+        self._check_device()
+        self._check_quantization()
+        self._check_scheduler_limits()
+        self._check_kv_cache()
+        self._check_speculation()
+        self._check_activation_sparsity()
+        self._check_parallel()
+        if self.block_size & (self.block_size - 1):  # (an integer >= 1 by now: _check_scheduler_limits)
+            raise ConfigError("block_size", f"must be a power of two, got {self.block_size}")
+        if self.fault_injection is not None:
+            try:
+                FaultPlan.parse(self.fault_injection)
+            except ValueError as e:
+                raise ConfigError("fault_injection", str(e)) from None
+
+    def _check_device(self) -> None:
+        """Dtype, device, CPU level and attention backend: each one of its choices."""
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -184,6 +202,9 @@ class EngineConfig:
             raise ConfigError("cpu_isa", f"must be 'auto' or one of {ISA_LEVELS}, got {self.cpu_isa!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+    def _check_quantization(self) -> None:
+        """The weight format, its LM head, group size and algorithm, and the calibration."""
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ConfigError("quantization", f"must be one of {QUANTIZATION_CHOICES} or None, got {self.quantization!r}")
         if self.quantization_lm_head not in LM_HEAD_CHOICES:
@@ -203,6 +224,9 @@ class EngineConfig:
         _check_min("calibration_seq_len", self.calibration_seq_len, 16)
         if self.smoothquant_alpha is not None and not 0 <= self.smoothquant_alpha <= 1:
             raise ConfigError("smoothquant_alpha", f"must be in [0, 1] or None, got {self.smoothquant_alpha!r}")
+
+    def _check_scheduler_limits(self) -> None:
+        """Block size, the step's token budget, running requests, threads and context length."""
         _check_min("block_size", self.block_size, 1)
         _check_min("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_min("max_num_seqs", self.max_num_seqs, 1)
@@ -210,6 +234,9 @@ class EngineConfig:
             _check_min("num_threads", self.num_threads, 1)
         if self.max_model_len is not None:
             _check_min("max_model_len", self.max_model_len, 1)
+
+    def _check_kv_cache(self) -> None:
+        """The KV cache's size and dtype, swap space, and the host and disk tiers of the prefix cache."""
         if self.num_kv_blocks is not None:
             _check_min("num_kv_blocks", self.num_kv_blocks, 1)
         if self.num_host_kv_blocks is not None:
@@ -229,6 +256,9 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    def _check_speculation(self) -> None:
+        """The speculative method, its draft model and how many tokens it drafts and looks up."""
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError("speculative_method", f"must be one of {SPECULATIVE_METHODS} or None, got {self.speculative_method!r}")
         if (self.speculative_method == "draft") != (self.draft_model is not None):
@@ -238,8 +268,13 @@ class EngineConfig:
         _check_min("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
         if self.speculative_max_running is not None:
             _check_min("speculative_max_running", self.speculative_max_running, 1)
+
+    def _check_activation_sparsity(self) -> None:
         if not (_is_number(self.activation_sparsity) and 0 <= self.activation_sparsity <= MAX_ACTIVATION_SPARSITY):
             raise ConfigError("activation_sparsity", f"must be in [0, {MAX_ACTIVATION_SPARSITY}], got {self.activation_sparsity!r}")
+
+    def _check_parallel(self) -> None:
+        """Ranks and nodes, and what a model split over ranks cannot run."""
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_min("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_min("nnodes", self.nnodes, 1)
@@ -263,13 +298,6 @@ class EngineConfig:
                               "ranks runs dense (activation_sparsity 0)")
         if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
             raise ConfigError("master_port", f"must be a TCP port 1..65535 or None, got {self.master_port!r}")
-        if self.block_size & (self.block_size - 1):
-            raise ConfigError("block_size", f"must be a power of two, got {self.block_size}")
-        if self.fault_injection is not None:
-            try:
-                FaultPlan.parse(self.fault_injection)
-            except ValueError as e:
-                raise ConfigError("fault_injection", str(e)) from None
 
     @property
     def world_size(self) -> int:

@@ -14,8 +14,8 @@ from tokenmill.config import (
     LM_HEAD_CHOICES, MAX_ACTIVATION_SPARSITY, QUANTIZATION_CHOICES, SPECULATIVE_METHODS,
     EngineConfig,
 )
+from tokenmill.cpu_isa import ISA_LEVELS
 from tokenmill.faults import FAULT_ENV
-from tokenmill.layers.cpu_isa import ISA_LEVELS
 from tokenmill.quantization.cli import add_calibration_args
 
 _DEFAULTS = EngineConfig()
@@ -34,6 +34,19 @@ def positive_int(text: str) -> int:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags for every EngineConfig field (shared by every command that builds an engine)."""
+    _add_model_args(parser)
+    _add_cpu_kernel_args(parser)
+    _add_quantization_args(parser)
+    _add_sparsity_args(parser)
+    _add_parallel_args(parser)
+    _add_kv_cache_args(parser)
+    _add_cache_reuse_args(parser)
+    _add_scheduling_args(parser)
+    _add_speculation_args(parser)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model, its dtype and device, and how attention runs."""
     d = _DEFAULTS
     parser.add_argument("model", nargs="?", default=d.model,
                         help=f"model alias, .gguf file or Hugging Face directory (default: {d.model})")
@@ -47,6 +60,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: do not capture CUDA graphs of decode steps (captured by default with the triton "
                              "attention backend, at batch sizes 1, 2, 4, 8, 16, ... up to min(--max-num-seqs, 256))")
+
+
+def _add_cpu_kernel_args(parser: argparse.ArgumentParser) -> None:
+    """CPU: tokenmill's compiled kernels and their instruction-set level."""
+    d = _DEFAULTS
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                         help="CPU: PyTorch ops only, not tokenmill's compiled CPU kernels (paged decode and prefill "
                              "attention, RMSNorm, RoPE + KV store, few-row and quantized matmuls, and the decoder "
@@ -58,6 +76,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "vpdpbusd byte dot products), avx512_bf16 (bf16 dot products); "
                              "a lower level than the host's runs that level's code. auto = the host's, capped by the "
                              "TOKENMILL_CPU_ISA environment variable (default: auto)")
+
+
+def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    """The weights' format, the LM head's, and how the codes are chosen (calibration included)."""
+    d = _DEFAULTS
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=d.quantization,
                         help="the linear layers' weight format: auto = as the checkpoint stores them (a GGUF file's "
                              "Q4_0/Q4_1/Q4_K tensors as int4 with the file's own scales, Q6_K as int6 with its own (CPU "
@@ -80,6 +103,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="how --quantization chooses the codes: rtn (round-to-nearest), awq or gptq (int4, calibrated), "
                              "smoothquant (w8a8, calibrated); calibration runs at start-up (default: rtn)")
     add_calibration_args(parser)
+
+
+def _add_sparsity_args(parser: argparse.ArgumentParser) -> None:
+    """Activation sparsity (TEAL) on decode steps."""
+    d = _DEFAULTS
     parser.add_argument("--activation-sparsity", type=float, default=d.activation_sparsity, metavar="S",
                         help="on decode steps, set to zero the entries of each decoder layer's linear inputs (q/k/v, "
                              "o, gate/up, down) below a per-layer threshold in magnitude, the thresholds those that "
@@ -93,6 +121,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-sparsity-prefill", action="store_true",
                         help="with --activation-sparsity, threshold prefill tokens too (accuracy measurements: every "
                              "scored prompt token of a perplexity is then sparsified)")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """CPU threads, and the ranks and machines one model is split over."""
+    d = _DEFAULTS
     parser.add_argument("--num-threads", type=int, default=d.num_threads,
                         help="CPU threads for torch (default: number of physical cores)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
@@ -113,6 +146,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=int, default=d.master_port,
                         help="TCP port on node 0 where the ranks meet (default: a free port on one machine, 29500 across "
                              "several)")
+
+
+def _add_kv_cache_args(parser: argparse.ArgumentParser) -> None:
+    """The context length and the KV cache: block size, memory budget, dtype, block count."""
+    d = _DEFAULTS
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
                         help="longest prompt + output per request (default: the model's context length)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV-cache block (default: {d.block_size})")
@@ -132,6 +170,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "the same --kv-cache-memory-gb (default: auto)")
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                         help="number of KV-cache blocks, overriding --kv-cache-memory-gb and --gpu-memory-utilization")
+
+
+def _add_cache_reuse_args(parser: argparse.ArgumentParser) -> None:
+    """Blocks kept for reuse: prefix sharing, swapping preempted requests out, the host and disk tiers."""
+    d = _DEFAULTS
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not share KV blocks of equal prompt prefixes between requests")
     parser.add_argument("--swap-space", dest="swap_space_gb", type=float, default=d.swap_space_gb,
@@ -151,6 +194,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-cache-gb", type=float, default=d.disk_cache_gb,
                         help=f"most GiB of block files in --disk-cache-dir, least recently used deleted first "
                              f"(default: {d.disk_cache_gb:g})")
+
+
+def _add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    """The step's token budget, running requests, chunked prefill and the sampler's seed."""
+    d = _DEFAULTS
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help=f"token budget of one engine step (default: {d.max_num_batched_tokens})")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -158,6 +206,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                         help="schedule each prompt whole instead of in chunks")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the shared sampler generator (default: {d.seed})")
+
+
+def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding: the method, its draft model and how many tokens it drafts."""
+    d = _DEFAULTS
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=d.speculative_method,
                         help="speculative decoding: ngram = prompt lookup, drafts copied from earlier in the request's "
                              "own tokens; suffix = suffix decoding, the most frequent continuation of the longest "

@@ -5,8 +5,9 @@ in a batch where they can. Outputs stay those of the engine without speculation.
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.core.draft_plan import StepCost
 from tokenmill.spec_decode import cost as cost_module
-from tokenmill.spec_decode.cost import StepCost, StepCostCache
+from tokenmill.spec_decode.cost import StepCostCache
 
 ENGINE = dict(dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_num_batched_tokens=256)
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1, speculative_ngram_max=3)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.cpu_isa import host_isa, onednn_bf16
+from tokenmill.cpu_isa import host_isa, onednn_bf16
 from tokenmill.layers.linear import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, convert_linears, fp8_gemm_supported
 from tokenmill.layers.quantization.formats import (
     dequantize_int4,

@@ -111,7 +111,7 @@ def bf16_runner(bf16_llm):
 @pytest.mark.parametrize("seq_lens", [[37], [1, 16, 17, 90, 200]])
 def test_bf16_onednn_linears(bf16_runner, seq_lens):
     """bf16 works at every level: oneDNN's packed weights where it has bf16 (AVX-512), F.linear below."""
-    from tokenmill.layers.cpu_isa import host_isa, onednn_bf16
+    from tokenmill.cpu_isa import host_isa, onednn_bf16
 
     assert bf16_runner.model.layers[0].self_attn.qkv_proj.packed == onednn_bf16(host_isa())
     assert_stack_matches_python(bf16_runner, seq_lens)

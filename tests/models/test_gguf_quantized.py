@@ -274,7 +274,8 @@ def engines_at(tmp_path, monkeypatch, config, types: dict, permute_qk: bool = Fa
     """A random `config` model written as a GGUF file with `types` (Q4_K and Q6_K by the
     quantizers above), loaded with the avx2 kernels as stored and dequantized (quantization
     "none"); skips where the avx2 kernels cannot be built."""
-    from tokenmill.layers import cpu_isa, cpu_kernels
+    from tokenmill import cpu_isa
+    from tokenmill.layers import cpu_kernels
 
     if not cpu_isa.runs_here(level) or cpu_kernels.load(level) is None:
         pytest.skip(f"no {level} CPU kernels here")

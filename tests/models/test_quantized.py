@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, cpu_isa
 from tokenmill.eval.perplexity import perplexity
-from tokenmill.layers import cpu_isa
 from tokenmill.layers.linear import DenseLinear, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.slow

@@ -1,14 +1,13 @@
 """The verify-cost model: the step-time curve, the acceptance estimate, the plan of drafts per
-step, and its cache. Pure Python; the measurement on a real model is in
-tests/engine/test_speculative.py."""
+step (core/draft_plan.py), and the curve's cache (spec_decode/cost.py). Pure Python; the
+measurement on a real model is in tests/engine/test_step_cost.py."""
 
 import json
 
 import pytest
 
-from tokenmill.spec_decode.cost import (
-    AcceptanceEstimate, StepCost, StepCostCache, StepOverhead, plan_drafts, worth_drafting,
-)
+from tokenmill.core.draft_plan import AcceptanceEstimate, StepCost, StepOverhead, plan_drafts, worth_drafting
+from tokenmill.spec_decode.cost import StepCostCache
 
 # bandwidth-bound up to 8 tokens (each extra token costs 2% of one), compute-bound after
 FLAT = StepCost((1, 8, 16, 32), (10.0, 11.4, 19.4, 35.4))

@@ -71,7 +71,7 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         # Speculative decoding: drafts for the next step (proposed after the last one), how
         # many this request may verify at once (adaptive), its per-draft acceptance so far
-        # (spec_decode.cost.AcceptanceEstimate, set by the scheduler) and its counts.
+        # (draft_plan.AcceptanceEstimate, set by the scheduler) and its counts.
         self.spec_token_ids: list[int] = []
         self.spec_k = 0
         self.spec_acceptance = None

@@ -23,8 +23,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tokenmill.core.draft_plan import (
+    MAX_PLANNED_DRAFTS, AcceptanceEstimate, StepCost, StepOverhead, plan_drafts, worth_drafting,
+)
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import (
     CachedRequestData,
@@ -34,9 +37,6 @@ from tokenmill.core.outputs import (
     SchedulerOutput,
 )
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.spec_decode.cost import (
-    MAX_PLANNED_DRAFTS, AcceptanceEstimate, StepCost, StepOverhead, plan_drafts, worth_drafting,
-)
 
 
 class RequestRejectedError(ValueError):
@@ -51,7 +51,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Speculative decoding: the most drafts a request verifies per step (0 = off); adaptive
     # draft lengths (with step_cost, the measured step time by tokens computed: each step's
-    # drafts maximise expected tokens per second, spec_decode/cost.py; without it, one more
+    # drafts maximise expected tokens per second, core/draft_plan.py; without it, one more
     # than the last verification accepted); no drafts while more than spec_max_running
     # requests run (None: no such limit).
     num_speculative_tokens: int = 0
@@ -61,6 +61,26 @@ class SchedulerConfig:
     # KV slots reserved past a sampled request's scheduled tokens, where a draft model writes
     # the KV of the drafts it proposes after the step (0 for n-gram drafts).
     spec_lookahead: int = 0
+
+
+@dataclass(slots=True)
+class _Step:
+    """What `Scheduler.schedule` has put in the step so far."""
+
+    budget: int  # tokens still free in the step
+    speculate: bool  # whether requests verify and propose drafts this step
+    num_scheduled: dict[str, int] = field(default_factory=dict)  # req id -> tokens, drafts included
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req id -> drafts it verifies
+    drafts_to_propose: dict[str, int] = field(default_factory=dict)
+    preempted: bool = False  # someone was preempted: nobody waiting is admitted
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        self.num_scheduled[req.request_id] = num_tokens
+        self.budget -= num_tokens
 
 
 class Scheduler:
@@ -121,126 +141,157 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        preempted_now = False
-        spec_tokens: dict[str, list[int]] = {}
-        drafts_to_propose: dict[str, int] = {}
+        """The next step: the running requests first, then waiting ones admitted FCFS, within
+        the token budget; with them go the requests finished or preempted since the last call."""
         speculate = self._speculation_on()
         if speculate and self.config.spec_adaptive and self.config.step_cost is not None:
             speculate = self._plan_drafts()
+        step = _Step(budget=self.config.max_num_batched_tokens, speculate=speculate)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        return self._scheduler_output(step)
 
-        # 1. Running requests, oldest first.
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, oldest first: the rest of each one's tokens (and its drafts), as far
+        as the budget goes. When blocks run out, the newest running requests are preempted."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts_to_verify(req, num_new, budget) if speculate else []
-            lookahead = self._lookahead(req, num_new) if speculate else 0
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            drafts = self._drafts_to_verify(req, num_new, step.budget) if step.speculate else []
+            lookahead = self._lookahead(req, num_new) if step.speculate else 0
             new_block_ids = self.kv.allocate_slots(req, num_new + len(drafts) + lookahead)
             if new_block_ids is None and (drafts or lookahead):  # no room to speculate: plain decode
                 drafts, lookahead = [], 0
                 new_block_ids = self.kv.allocate_slots(req, num_new)
-            while new_block_ids is None:
-                victim = self.running.pop()  # the newest; never one scheduled earlier this step
-                self._preempt(victim, swap_out)
-                preempted_now = True
-                if victim is req:
-                    break
-                new_block_ids = self.kv.allocate_slots(req, num_new)
             if new_block_ids is None:
-                break
-            if speculate and self._samples(req, num_new):
-                drafts_to_propose[req.request_id] = lookahead if self.config.spec_lookahead else self._next_num_drafts(req)
+                new_block_ids = self._preempt_for(req, num_new, step)
+            if new_block_ids is None:
+                break  # req itself was preempted: it was the newest
+            if step.speculate and self._samples(req, num_new):
+                num_drafts = lookahead if self.config.spec_lookahead else self._next_num_drafts(req)
+                step.drafts_to_propose[req.request_id] = num_drafts
             if drafts:
-                spec_tokens[req.request_id] = drafts
+                step.spec_tokens[req.request_id] = drafts
                 num_new += len(drafts)
-            num_scheduled[req.request_id] = num_new
-            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
-            budget -= num_new
+            step.cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            step.add(req, num_new)
             i += 1
 
-        # 2. Waiting requests, first come first served; none while we are preempting.
-        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+    def _preempt_for(self, req: Request, num_new: int, step: _Step) -> list[int] | None:
+        """Preempt the newest running requests, never one scheduled earlier this step, until
+        num_new of req's tokens get slots: their new block ids, or None once req itself went."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim, step.swap_out)
+            step.preempted = True
+            if victim is req:
+                return None
+            new_block_ids = self.kv.allocate_slots(req, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting requests, first come first served, while the budget, max_num_seqs and the
+        blocks allow; none in a step that preempts. The first that cannot start stops the rest."""
+        while self.waiting and step.budget > 0 and not step.preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if self.kv.is_swapped_out(req):
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.can_swap_in(req, num_new):
-                    break
-                swap_in.extend(self.kv.swap_in(req))
-                new_block_ids = self.kv.allocate_slots(req, num_new)
-                assert new_block_ids is not None
-            elif (parent := self._fork_parent(req)) is not None:
-                # n > 1: share the prompt's blocks with the sample that computed them, and
-                # compute only the last prompt token again, for this sample's own first token.
-                if parent.num_computed_tokens < parent.num_prompt_tokens:
-                    break  # FCFS: wait for the first sample's prompt rather than compute it twice
-                if not self.kv.num_free_blocks:
-                    break
-                self.kv.fork(req, parent, req.num_prompt_tokens)
-                req.num_computed_tokens = req.num_prompt_tokens - 1
-                num_new = 1
-                new_block_ids = self.kv.allocate_slots(req, num_new)
-                assert new_block_ids is not None
-                req.num_cached_tokens = req.num_prompt_tokens - 1
-            else:
-                computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else None
-                if computed is not None and self.kv.waits_for_disk(req, len(computed)):
-                    break  # FCFS: its prefix is on its way from disk; running requests step meanwhile
-                num_cached = len(computed or ()) * self.kv.block_size
-                num_new = req.num_tokens - req.num_computed_tokens - num_cached
-                if num_new > budget and not self.config.enable_chunked_prefill:
-                    break
-                num_new = min(num_new, budget)
-                new_block_ids = self.kv.allocate_slots(req, num_new, computed)
-                if new_block_ids is None:
-                    break
-                req.num_computed_tokens += num_cached
-                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+            num_new = self._admit(req, step)
+            if num_new is None:
+                break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=lambda r: r.arrival_time)
-            num_scheduled[req.request_id] = num_new
-            if speculate and self._samples(req, num_new):
+            if step.speculate and self._samples(req, num_new):
                 # No lookahead slots reserved at admission: a draft model uses what is free in
                 # the request's last block.
-                drafts_to_propose[req.request_id] = self._next_num_drafts(req)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=req.request_id,
-                    token_ids=list(req.all_token_ids),
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    sampling_params=req.sampling_params,
-                    eos_token_ids=sorted(req.eos_token_ids),
-                    block_ids=self.kv.get_block_ids(req.request_id),
-                    num_computed_tokens=req.num_computed_tokens,
-                    grammar=req.grammar,
-                )
-            )
-            budget -= num_new
+                step.drafts_to_propose[req.request_id] = self._next_num_drafts(req)
+            step.new_reqs.append(self._new_request_data(req))
+            step.add(req, num_new)
 
-        total = self.config.max_num_batched_tokens - budget
-        assert total == sum(num_scheduled.values()) <= self.config.max_num_batched_tokens
+    def _admit(self, req: Request, step: _Step) -> int | None:
+        """Give a waiting request its blocks for this step: the number of its tokens it computes
+        now, or None when it cannot start yet (it stays first in the queue)."""
+        if self.kv.is_swapped_out(req):
+            return self._admit_swapped(req, step)
+        if (parent := self._fork_parent(req)) is not None:
+            return self._admit_fork(req, parent)
+        return self._admit_from_prefix(req, step.budget)
+
+    def _admit_swapped(self, req: Request, step: _Step) -> int | None:
+        """A request swapped out to the host pool: its blocks back, and slots for what is left."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        if not self.kv.can_swap_in(req, num_new):
+            return None
+        step.swap_in.extend(self.kv.swap_in(req))
+        new_block_ids = self.kv.allocate_slots(req, num_new)
+        assert new_block_ids is not None
+        return num_new
+
+    def _admit_fork(self, req: Request, parent: Request) -> int | None:
+        """n > 1: share the prompt's blocks with the sample that computed them, and compute only
+        the last prompt token again, for this sample's own first token."""
+        if parent.num_computed_tokens < parent.num_prompt_tokens:
+            return None  # FCFS: wait for the first sample's prompt rather than compute it twice
+        if not self.kv.num_free_blocks:
+            return None
+        self.kv.fork(req, parent, req.num_prompt_tokens)
+        req.num_computed_tokens = req.num_prompt_tokens - 1
+        new_block_ids = self.kv.allocate_slots(req, 1)
+        assert new_block_ids is not None
+        req.num_cached_tokens = req.num_prompt_tokens - 1
+        return 1
+
+    def _admit_from_prefix(self, req: Request, budget: int) -> int | None:
+        """Any other request: one from scratch first adopts the longest cached prefix of its
+        tokens; the rest is computed, cut to the budget with chunked prefill."""
+        computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else None
+        if computed is not None and self.kv.waits_for_disk(req, len(computed)):
+            return None  # FCFS: its prefix is on its way from disk; running requests step meanwhile
+        num_cached = len(computed or ()) * self.kv.block_size
+        num_new = req.num_tokens - req.num_computed_tokens - num_cached
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv.allocate_slots(req, num_new, computed) is None:
+            return None
+        req.num_computed_tokens += num_cached
+        req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+        return num_new
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=req.request_id,
+            token_ids=list(req.all_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=req.sampling_params,
+            eos_token_ids=sorted(req.eos_token_ids),
+            block_ids=self.kv.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+            grammar=req.grammar,
+        )
+
+    def _scheduler_output(self, step: _Step) -> SchedulerOutput:
+        """The step for the runner, with the block copies and tier operations queued for it; the
+        finished and preempted ids go out once."""
+        total = self.config.max_num_batched_tokens - step.budget
+        assert total == sum(step.num_scheduled.values()) <= self.config.max_num_batched_tokens
         out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
-            blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
             blocks_to_copy=self.kv.take_copies(),
             tier_ops=self.kv.take_tier_ops(),
-            scheduled_spec_tokens=spec_tokens,
-            propose_drafts=speculate,
-            num_drafts_to_propose=drafts_to_propose,
+            scheduled_spec_tokens=step.spec_tokens,
+            propose_drafts=step.speculate,
+            num_drafts_to_propose=step.drafts_to_propose,
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
@@ -255,7 +306,7 @@ class Scheduler:
 
     def _plan_drafts(self) -> bool:
         """Set each running request's draft count for this step from the measured step cost
-        (`spec_decode.cost.plan_drafts`). False when the step is such that not even a draft sure
+        (`draft_plan.plan_drafts`). False when the step is such that not even a draft sure
         to be accepted would pay: then nobody verifies or proposes drafts."""
         c = self.config
         budget = c.max_num_batched_tokens

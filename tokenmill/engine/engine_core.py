@@ -13,18 +13,19 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.draft_plan import StepCost
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from tokenmill.cpu_isa import host_isa
 from tokenmill.faults import FaultPlan
 from tokenmill.executor import MultiprocExecutor
 from tokenmill.layers import cpu_kernels
-from tokenmill.layers.cpu_isa import host_isa
-from tokenmill.models.loader import LoadedCheckpoint
+from tokenmill.models.loader import LoadedCheckpoint, ModelArchConfig
 from tokenmill.spec_decode.cost import (
-    MEASURE_CONTEXT, MEASURE_METHOD, MEASURED_BATCHES, MEASURED_SIZES, StepCost, StepCostCache, measure_step_cost,
-    probe_blocks,
+    MEASURE_CONTEXT, MEASURE_METHOD, MEASURED_BATCHES, MEASURED_SIZES, StepCostCache, measure_step_cost, probe_blocks,
 )
 from tokenmill.version import __version__
 from tokenmill.worker.cpu import keep_large_allocations_in_heap
+from tokenmill.worker.disk_store import DiskBlockStore
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -63,60 +64,73 @@ class EngineCore:
         else:
             self.executor = self.runner = ModelRunner(config, checkpoint, self.device, self.dtype, self.max_model_len)
         try:
-            # Blocks no layer's window reaches are freed early (every layer slides; a draft model,
-            # whose layers may not, reads the same tables).
-            window = arch.sliding_window if arch.all_layers_slide and self.runner.draft_model is None else None
             disk = self.runner.disk_store if self.runner.disk_store is not None and self.runner.disk_store.enabled else None
-            self.kv_cache_manager = KVCacheManager(
-                self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-                num_host_blocks=self.runner.num_host_blocks, sliding_window=window,
-                num_host_cache_blocks=self.runner.num_host_cache_blocks,
-                num_disk_cache_blocks=disk.max_blocks if disk else 0, disk_hashes=disk.hashes_at_start if disk else (),
-            )
-            self.scheduler = Scheduler(
-                SchedulerConfig(
-                    max_num_batched_tokens=config.max_num_batched_tokens,
-                    max_num_seqs=config.max_num_seqs,
-                    max_model_len=self.max_model_len,
-                    enable_chunked_prefill=config.enable_chunked_prefill,
-                    num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
-                    spec_adaptive=config.speculative_adaptive,
-                    spec_max_running=config.speculative_max_running,
-                    step_cost=self._step_cost(config, checkpoint),
-                    spec_lookahead=config.num_speculative_tokens if config.speculative_method == "draft" else 0,
-                ),
-                self.kv_cache_manager,
-            )
-            logger.info(
-                "engine ready: %s on %s (%s, %d threads, %s attention), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
-                "(%s, %.0f MiB) + %d host blocks for swapping, prefix caching %s, max_model_len %d",
-                checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.attention_backend,
-                self.runner.load_seconds,
-                self.runner.num_blocks, config.block_size, self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
-                self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
-                self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,
-            )
-            if self.runner.num_host_cache_blocks:
-                logger.info("prefix cache tiers: %d host blocks (%.0f MiB)%s", self.runner.num_host_cache_blocks,
-                            self.runner.num_host_cache_blocks * self.runner.bytes_per_block / 2**20,
-                            f", disk {disk.dir} ({len(disk.hashes_at_start)} of up to {disk.max_blocks} blocks there)"
-                            if disk else "")
+            self.kv_cache_manager = self._make_kv_cache_manager(config, arch, disk)
+            self.scheduler = Scheduler(self._scheduler_config(config, checkpoint), self.kv_cache_manager)
+            self._log_ready(config, checkpoint, disk)
         except BaseException:  # the ranks already started do not outlive a failed start
             self.shutdown()
             raise
         if config.speculative_method:
-            cost = self.scheduler.config.step_cost
-            logger.info(
-                "speculative decoding: %s, up to %d drafts per request and step, %s%s",
-                f"draft model {config.draft_model}" if config.speculative_method == "draft" else
-                "suffix decoding" if config.speculative_method == "suffix" else
-                f"n-gram {config.speculative_ngram_min}..{config.speculative_ngram_max}",
-                config.num_speculative_tokens,
-                f"drafts per step from the step cost t(1+k)/t(1): {cost.describe()}" if cost else
-                "adaptive (no step cost)" if config.speculative_adaptive else "not adaptive",
-                f", off while more than {config.speculative_max_running} requests are running or waiting"
-                if config.speculative_max_running else "",
-            )
+            self._log_speculation(config)
+
+    def _make_kv_cache_manager(self, config: EngineConfig, arch: ModelArchConfig,
+                               disk: DiskBlockStore | None) -> KVCacheManager:
+        """The block pool over the runner's blocks, with the host tiers it allocated and the disk
+        tier (`disk`, when enabled)."""
+        # Blocks no layer's window reaches are freed early (every layer slides; a draft model,
+        # whose layers may not, reads the same tables).
+        window = arch.sliding_window if arch.all_layers_slide and self.runner.draft_model is None else None
+        return KVCacheManager(
+            self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            num_host_blocks=self.runner.num_host_blocks, sliding_window=window,
+            num_host_cache_blocks=self.runner.num_host_cache_blocks,
+            num_disk_cache_blocks=disk.max_blocks if disk else 0, disk_hashes=disk.hashes_at_start if disk else (),
+        )
+
+    def _scheduler_config(self, config: EngineConfig, checkpoint: LoadedCheckpoint) -> SchedulerConfig:
+        """The scheduler's limits; with adaptive speculation, the step cost measured (or cached) here."""
+        return SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
+            spec_adaptive=config.speculative_adaptive,
+            spec_max_running=config.speculative_max_running,
+            step_cost=self._step_cost(config, checkpoint),
+            spec_lookahead=config.num_speculative_tokens if config.speculative_method == "draft" else 0,
+        )
+
+    def _log_ready(self, config: EngineConfig, checkpoint: LoadedCheckpoint, disk: DiskBlockStore | None) -> None:
+        logger.info(
+            "engine ready: %s on %s (%s, %d threads, %s attention), weights loaded in %.1fs, KV cache %d blocks x %d tokens "
+            "(%s, %.0f MiB) + %d host blocks for swapping, prefix caching %s, max_model_len %d",
+            checkpoint.source.name, self.device, self.dtype, torch.get_num_threads(), self.runner.attention_backend,
+            self.runner.load_seconds,
+            self.runner.num_blocks, config.block_size, self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+            self.runner.num_blocks * config.block_size * self.runner.kv_bytes_per_token() / 2**20,
+            self.runner.num_host_blocks, "on" if config.enable_prefix_caching else "off", self.max_model_len,
+        )
+        if self.runner.num_host_cache_blocks:
+            logger.info("prefix cache tiers: %d host blocks (%.0f MiB)%s", self.runner.num_host_cache_blocks,
+                        self.runner.num_host_cache_blocks * self.runner.bytes_per_block / 2**20,
+                        f", disk {disk.dir} ({len(disk.hashes_at_start)} of up to {disk.max_blocks} blocks there)"
+                        if disk else "")
+
+    def _log_speculation(self, config: EngineConfig) -> None:
+        cost = self.scheduler.config.step_cost
+        logger.info(
+            "speculative decoding: %s, up to %d drafts per request and step, %s%s",
+            f"draft model {config.draft_model}" if config.speculative_method == "draft" else
+            "suffix decoding" if config.speculative_method == "suffix" else
+            f"n-gram {config.speculative_ngram_min}..{config.speculative_ngram_max}",
+            config.num_speculative_tokens,
+            f"drafts per step from the step cost t(1+k)/t(1): {cost.describe()}" if cost else
+            "adaptive (no step cost)" if config.speculative_adaptive else "not adaptive",
+            f", off while more than {config.speculative_max_running} requests are running or waiting"
+            if config.speculative_max_running else "",
+        )
 
     def _step_cost(self, config: EngineConfig, checkpoint: LoadedCheckpoint) -> StepCost | None:
         """What a step of n tokens costs here, for choosing drafts (spec_decode/cost.py):

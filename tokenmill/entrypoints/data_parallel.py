@@ -38,9 +38,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.config import EngineConfig
-from tokenmill.entrypoints.openai.api_server import add_request_limits, error_response, uvicorn_config
+from tokenmill.entrypoints.openai.api_server import add_request_limits, uvicorn_config
 from tokenmill.entrypoints.openai.args import PROMPT_CHARS_PER_TOKEN, ServerConfig
 from tokenmill.entrypoints.openai.chat import ChatTemplate
+from tokenmill.entrypoints.openai.errors import error_response
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.entrypoints.openai.tool_calls import check_tools
 from tokenmill.entrypoints.replicas import ReplicaSet, exit_description

@@ -1,6 +1,6 @@
 """tokenmill's own CPU kernels (`tokenmill/csrc/`), compiled with `torch.utils.cpp_extension`
 (g++ and ninja; -O3 -ffast-math -fopenmp and the flags of an instruction-set level,
-layers/cpu_isa.py), one build per level (`tokenmill_cpu_kernels_<level>`, about 35 s on 2 cores;
+cpu_isa.py), one build per level (`tokenmill_cpu_kernels_<level>`, about 35 s on 2 cores;
 the Python module is csrc/cpu_bindings.cpp). No build runs on a CPU without its instructions.
 
 - Prebuilt at install: `tokenmill build-kernels` (which `make setup` runs, and a non-isolated
@@ -59,7 +59,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenmill.layers import cpu_isa
+from tokenmill import cpu_isa
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
-from tokenmill.layers.cpu_isa import host_isa, onednn_bf16, onednn_int8_exact
+from tokenmill.cpu_isa import host_isa, onednn_bf16, onednn_int8_exact
 from tokenmill.layers.quantization.cpu_layouts import (
     PACK_ROWS, int8_tiles_fit, tile_width, tiled_int4_factors, tiled_int4_layout, tiled_int4_pairs,
     tiled_int4_super_blocks, tiled_int6_layout, tiled_int6_super_blocks, tiled_int8_layout,

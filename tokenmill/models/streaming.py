@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ _log = logging.getLogger(__name__)
 # The method of a fused linear whose tensors are exact int4 and int6 records side by side
 # (gguf_blocks.stacked_methods): a StackedLinear of one layer per run of rows of one method.
 STACKED = "stacked"
+EMBEDDING = "embed_tokens.weight"
 
 
 @torch.no_grad()
@@ -51,146 +53,188 @@ def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dt
     tensor is renamed into the rank's model and cut to the rows or columns it holds as it arrives."""
     model = build("meta")
     local_name = (lambda name: name) if plan is None else plan.local_name
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    embedding = "embed_tokens.weight"
-    tied = model.config.tie_word_embeddings
-    # Linears whose every checkpoint tensor arrives as a record of their method (AUTO: the file's
-    # int4 codes, or int8 requantized from its blocks as they are read)
-    from_records: set[str] = set()
-    if qconfig is None:
-        method_of = lambda name: None  # noqa: E731
-    elif qconfig.method == AUTO:
-        # int6 where the kernels run it (every level from avx2): the file's 6.56 bits a weight in
-        # place of int8's 8 (at avx512_bf16 its many-row steps widen the codes to bf16: int6_gemm)
-        int6 = device.type == "cpu" and cpu_kernels is not None and cpu_kernels.gemv_supported()
-        methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name, int6)
-        if qconfig.lm_head != AUTO:  # the head requantized (round-to-nearest) from the file's, or dense
-            if tied and checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
-                raise ConfigError("quantization_lm_head", "the head is the file's int4 embedding, loaded as stored; "
-                                  "leave quantization_lm_head auto")
-            methods[LM_HEAD] = qconfig.lm_head
-            from_records.discard(LM_HEAD)
-        method_of = methods.get
-    else:
-        method_of = qconfig.method_of
-        from_records = _file_codes_for_int4(model, params, checkpoint, linears, local_name, qconfig)
-    quantized = {name for name in linears if method_of(name) is not None}
-    stacked = {name for name in linears if method_of(name) == STACKED}
-    owner = {f"{name}.{kind}": name for name in linears for kind in ("weight", "bias")}
-    staging = _Staging()
-    for name, p in params.items():
-        in_fp32 = owner.get(name) in quantized - from_records or (tied and name == embedding and LM_HEAD in quantized - from_records)
-        staging.declare(name, p, torch.float32 if in_fp32 else dtype)
-    # The record of each linear in from_records, filled shard by shard; "embed_tokens": the embedding's, when it
-    # stays quantized (QuantizedEmbedding: an int4 record of a repacked type, or a tied head's int6 one).
-    records: dict[str, dict[str, torch.Tensor]] = {}
-    record_methods = {ckpt: gguf_blocks.stored_method(stored, int6=True) if linear in stacked else method_of(linear)
-                      for ckpt, stored in checkpoint.stored_types.items()
-                      if (local := local_name(ckpt.removeprefix("model."))) is not None
-                      and (place := model._placement(params, local))
-                      and (linear := owner.get(place[0])) in from_records}
-    if qconfig is not None and qconfig.method == AUTO and \
-            checkpoint.stored_types.get(f"model.{embedding}") in gguf_blocks.INT4_REPACKED:
-        record_methods[f"model.{embedding}"] = "int4"
-    elif tied and LM_HEAD in from_records and method_of(LM_HEAD) == "int6":
-        record_methods[f"model.{embedding}"] = "int6"
-    expected = {name: model._expected_shards(name, p) for name, p in params.items()}
-    loaded: dict[str, set] = {}
-    pending = {name: [f"{name}.weight"] + ([f"{name}.bias"] if linears[name].bias is not None else [])
-               for name in linears}
-    if tied:  # the head is the embedding: finished once that is loaded
-        pending["lm_head"] = [embedding]
-        owner[embedding] = "lm_head"
-        expected.pop("lm_head.weight")
-
-    def complete(param: str) -> bool:
-        return loaded.get(param, set()) in (expected[param], {"all"})
-
-    def finish(name: str) -> None:
-        bias = staging[f"{name}.bias"] if linears[name].bias is not None else None
-        bias = None if bias is None else bias.to(device=device, dtype=dtype)
-        method = method_of(name)
-        if name in stacked:
-            layer = _stacked_layer(records.pop(name), bias, device, cpu_kernels)
-        elif name in from_records:
-            record = {k: v.to(device) for k, v in records.pop(name).items()}
-            layer = build_linear(method, record, bias, cpu_kernels)
-        elif method is not None:
-            weight = staging[embedding] if tied and name == "lm_head" else staging[f"{name}.weight"]
-            record = {k: v.to(device) for k, v in _rtn_by_rows(method, weight, qconfig.group_size).items()}
-            layer = build_linear(method, record, bias, cpu_kernels)
-        else:
-            weight = staging[embedding] if tied and name == "lm_head" else staging[f"{name}.weight"]
-            layer = DenseLinear(weight.to(device=device, dtype=dtype), bias, cpu_kernels)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
-        for key in pending.pop(name):
-            if key != embedding:
-                staging.pop(key, None)
-            elif (staged := staging.allocated(embedding)) is not None and staged.dtype != dtype:
-                staging.replace(embedding, staged.to(dtype))  # staged in float32 for the head: the embedding's own copy now
-
-    offset = model.config.norm_offset
-
-    def place(ckpt_name: str, name: str, tensor: torch.Tensor) -> tuple[str, object] | None:
-        """Copy a checkpoint tensor into its staging: (our parameter, its shard key), or None for
-        a tensor to skip."""
-        if staging.adopt(name, tensor):  # a whole float32 weight that is staged in float32: kept as it came
-            ours, shard, target = name, model.whole_shard(name), tensor
-        else:
-            placement = model._placement(staging, name)
-            if placement is None:
-                if tied and name == "lm_head.weight":
-                    return None  # a saved copy of the tied embedding
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(model).__name__}")
-            ours, shard, target = placement
-            if target.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            target.copy_(tensor)
-        if offset and ours.endswith("norm.weight"):
-            target.add_(offset)
-        return ours, shard
-
-    for ckpt_name, tensor in checkpoint.weights(records=record_methods):
+    load = _StreamingLoad(model, checkpoint, local_name, device, dtype, qconfig, cpu_kernels)
+    for ckpt_name, tensor in checkpoint.weights(records=load.record_methods):
         name = local_name(ckpt_name.removeprefix("model."))
         if name is None:  # another pipeline stage's layer
             continue
         if plan is not None:
             tensor = plan.local_part(name, tensor)
         if isinstance(tensor, dict):  # a record
-            placed = _place_record(model, params, records, name, tensor, stacked)
+            placed = _place_record(model, load.params, load.records, name, tensor, load.stacked)
         else:
-            placed = place(ckpt_name, name, tensor)
-        del tensor
-        if placed is None:
-            continue
-        ours, shard = placed
-        loaded.setdefault(ours, set()).add(shard)
-        linear = owner.get(ours)
-        if linear in pending and all(complete(key) for key in pending[linear]):
-            finish(linear)
-    missing = sorted(n for n in expected if not complete(n))
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' …' if len(missing) > 8 else ''}")
-    if "embed_tokens" in records:
-        record = records.pop("embed_tokens")
-        model.embed_tokens = QuantizedEmbedding({k: v.to(device) for k, v in record.items()},
-                                                "int4" if "mins" in record else "int6", dtype)
-    # Every other parameter: its staging, in the compute dtype, on the device.
-    name_of = {id(p): n for n, p in reversed(params.items())}  # (a tied one by its first name)
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            continue
-        for key, p in list(module._parameters.items()):
-            if p is not None and p.is_meta:
-                module._parameters[key] = nn.Parameter(staging[name_of[id(p)]].to(device=device, dtype=dtype), requires_grad=False)
-        for key, b in list(module._buffers.items()):
-            if b is not None and not b.is_meta:
-                module._buffers[key] = b.to(device)
+            placed = load.place(ckpt_name, name, tensor)
+        del tensor  # (before a finished linear allocates its layer)
+        if placed is not None:
+            load.arrived(*placed)
+    load.check_complete()
+    load.finish_the_rest()
     _return_freed_memory()
     return model.eval()
+
+
+class _StreamingLoad:
+    """One load_streaming's state: the method of each linear, the staging each parameter is
+    copied into, the records assembled shard by shard, and the shards each parameter still
+    lacks. A linear becomes its final layer as soon as all of its tensors are in (`arrived`)."""
+
+    def __init__(self, model: nn.Module, checkpoint: LoadedCheckpoint, local_name, device: torch.device,
+                 dtype: torch.dtype, qconfig, cpu_kernels):
+        self.model, self.device, self.dtype, self.qconfig, self.cpu_kernels = model, device, dtype, qconfig, cpu_kernels
+        self.linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.tied = model.config.tie_word_embeddings
+        self.method_of, self.from_records = _linear_methods(model, self.params, checkpoint, self.linears, local_name,
+                                                            device, qconfig, cpu_kernels)
+        self.stacked = {name for name in self.linears if self.method_of(name) == STACKED}
+        self.owner = {f"{name}.{kind}": name for name in self.linears for kind in ("weight", "bias")}
+        self.staging = self._declare_staging()
+        # The record of each linear in from_records, filled shard by shard; "embed_tokens": the embedding's, when it
+        # stays quantized (QuantizedEmbedding: an int4 record of a repacked type, or a tied head's int6 one).
+        self.records: dict[str, dict[str, torch.Tensor]] = {}
+        self.record_methods = self._record_methods(checkpoint, local_name)
+        self.expected = {name: model._expected_shards(name, p) for name, p in self.params.items()}
+        self.loaded: dict[str, set] = {}
+        self.pending = {name: [f"{name}.weight"] + ([f"{name}.bias"] if linear.bias is not None else [])
+                        for name, linear in self.linears.items()}
+        if self.tied:  # the head is the embedding: finished once that is loaded
+            self.pending["lm_head"] = [EMBEDDING]
+            self.owner[EMBEDDING] = "lm_head"
+            self.expected.pop("lm_head.weight")
+
+    def _declare_staging(self) -> _Staging:
+        """Each parameter's staging: float32 for the weights of linears rounded here (and a tied
+        embedding the head is rounded from), else the compute dtype."""
+        rounded = {name for name in self.linears if self.method_of(name) is not None} - self.from_records
+        staging = _Staging()
+        for name, p in self.params.items():
+            in_fp32 = self.owner.get(name) in rounded or (self.tied and name == EMBEDDING and LM_HEAD in rounded)
+            staging.declare(name, p, torch.float32 if in_fp32 else self.dtype)
+        return staging
+
+    def _record_methods(self, checkpoint: LoadedCheckpoint, local_name) -> dict[str, str | None]:
+        """The checkpoint tensors read as records, each with its method: those of the linears in
+        from_records (a stacked linear's by each tensor's own type), and the embedding where it
+        stays quantized."""
+        methods = {ckpt: gguf_blocks.stored_method(stored, int6=True) if linear in self.stacked
+                   else self.method_of(linear)
+                   for ckpt, stored in checkpoint.stored_types.items()
+                   if (local := local_name(ckpt.removeprefix("model."))) is not None
+                   and (place := self.model._placement(self.params, local))
+                   and (linear := self.owner.get(place[0])) in self.from_records}
+        if self.qconfig is not None and self.qconfig.method == AUTO and \
+                checkpoint.stored_types.get(f"model.{EMBEDDING}") in gguf_blocks.INT4_REPACKED:
+            methods[f"model.{EMBEDDING}"] = "int4"
+        elif self.tied and LM_HEAD in self.from_records and self.method_of(LM_HEAD) == "int6":
+            methods[f"model.{EMBEDDING}"] = "int6"
+        return methods
+
+    def place(self, ckpt_name: str, name: str, tensor: torch.Tensor) -> tuple[str, object] | None:
+        """Copy a checkpoint tensor into its staging: (our parameter, its shard key), or None for
+        a tensor to skip."""
+        if self.staging.adopt(name, tensor):  # a whole float32 weight that is staged in float32: kept as it came
+            ours, shard, target = name, self.model.whole_shard(name), tensor
+        else:
+            placement = self.model._placement(self.staging, name)
+            if placement is None:
+                if self.tied and name == "lm_head.weight":
+                    return None  # a saved copy of the tied embedding
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self.model).__name__}")
+            ours, shard, target = placement
+            if target.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+        if self.model.config.norm_offset and ours.endswith("norm.weight"):
+            target.add_(self.model.config.norm_offset)
+        return ours, shard
+
+    def arrived(self, ours: str, shard) -> None:
+        """Shard `shard` of parameter `ours` is in place: its linear is finished once every
+        tensor of it is."""
+        self.loaded.setdefault(ours, set()).add(shard)
+        linear = self.owner.get(ours)
+        if linear in self.pending and all(self._complete(key) for key in self.pending[linear]):
+            self._finish(linear)
+
+    def _complete(self, param: str) -> bool:
+        return self.loaded.get(param, set()) in (self.expected[param], {"all"})
+
+    def _finish(self, name: str) -> None:
+        """Linear `name` becomes its final layer on the device; its staging is freed (a tied
+        embedding's is kept, in the compute dtype)."""
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, self._final_layer(name))
+        for key in self.pending.pop(name):
+            if key != EMBEDDING:
+                self.staging.pop(key, None)
+            elif (staged := self.staging.allocated(EMBEDDING)) is not None and staged.dtype != self.dtype:
+                # staged in float32 for the head: the embedding's own copy now
+                self.staging.replace(EMBEDDING, staged.to(self.dtype))
+
+    def _final_layer(self, name: str) -> nn.Module:
+        bias = self.staging[f"{name}.bias"] if self.linears[name].bias is not None else None
+        bias = None if bias is None else bias.to(device=self.device, dtype=self.dtype)
+        method = self.method_of(name)
+        if name in self.stacked:
+            return _stacked_layer(self.records.pop(name), bias, self.device, self.cpu_kernels)
+        if name in self.from_records:
+            record = {k: v.to(self.device) for k, v in self.records.pop(name).items()}
+            return build_linear(method, record, bias, self.cpu_kernels)
+        weight = self.staging[EMBEDDING] if self.tied and name == "lm_head" else self.staging[f"{name}.weight"]
+        if method is not None:
+            record = {k: v.to(self.device) for k, v in _rtn_by_rows(method, weight, self.qconfig.group_size).items()}
+            return build_linear(method, record, bias, self.cpu_kernels)
+        return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias, self.cpu_kernels)
+
+    def check_complete(self) -> None:
+        missing = sorted(n for n in self.expected if not self._complete(n))
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+
+    def finish_the_rest(self) -> None:
+        """The quantized embedding from its record, and every other parameter from its staging,
+        in the compute dtype, on the device."""
+        if "embed_tokens" in self.records:
+            record = self.records.pop("embed_tokens")
+            self.model.embed_tokens = QuantizedEmbedding({k: v.to(self.device) for k, v in record.items()},
+                                                         "int4" if "mins" in record else "int6", self.dtype)
+        name_of = {id(p): n for n, p in reversed(self.params.items())}  # (a tied one by its first name)
+        for module in self.model.modules():
+            if isinstance(module, nn.Linear):
+                continue
+            for key, p in list(module._parameters.items()):
+                if p is not None and p.is_meta:
+                    staged = self.staging[name_of[id(p)]]
+                    module._parameters[key] = nn.Parameter(staged.to(device=self.device, dtype=self.dtype),
+                                                           requires_grad=False)
+            for key, b in list(module._buffers.items()):
+                if b is not None and not b.is_meta:
+                    module._buffers[key] = b.to(self.device)
+
+
+def _linear_methods(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],
+                    local_name, device: torch.device, qconfig,
+                    cpu_kernels) -> tuple[Callable[[str], str | None], set[str]]:
+    """Each linear's method (a function of its name; None: dense) and the linears whose every
+    checkpoint tensor arrives as a record of their method (AUTO: the file's int4 codes, or int8
+    requantized from its blocks as they are read)."""
+    if qconfig is None:
+        return (lambda name: None), set()
+    if qconfig.method != AUTO:
+        return qconfig.method_of, _file_codes_for_int4(model, params, checkpoint, linears, local_name, qconfig)
+    # int6 where the kernels run it (every level from avx2): the file's 6.56 bits a weight in
+    # place of int8's 8 (at avx512_bf16 its many-row steps widen the codes to bf16: int6_gemm)
+    int6 = device.type == "cpu" and cpu_kernels is not None and cpu_kernels.gemv_supported()
+    methods, from_records = _stored_methods(model, params, checkpoint, linears, local_name, int6)
+    if qconfig.lm_head != AUTO:  # the head requantized (round-to-nearest) from the file's, or dense
+        tied = model.config.tie_word_embeddings
+        if tied and checkpoint.stored_types.get(f"model.{EMBEDDING}") in gguf_blocks.INT4_REPACKED:
+            raise ConfigError("quantization_lm_head", "the head is the file's int4 embedding, loaded as stored; "
+                              "leave quantization_lm_head auto")
+        methods[LM_HEAD] = qconfig.lm_head
+        from_records.discard(LM_HEAD)
+    return methods.get, from_records
 
 
 def _linear_types(model: nn.Module, params: dict, checkpoint: LoadedCheckpoint, linears: dict[str, nn.Module],

@@ -37,10 +37,10 @@ from torch import nn
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput, TierOps
+from tokenmill.cpu_isa import native_bf16
 from tokenmill.distributed import ParallelGroup, ShardPlan
 from tokenmill.distributed.pipeline import pipeline_forward
 from tokenmill.layers.attention import BatchLayout
-from tokenmill.layers.cpu_isa import native_bf16
 from tokenmill.layers.embedding import QuantizedEmbedding
 from tokenmill.layers.sampler import AllowedTokens, Sampler
 from tokenmill.layers.step_inputs import StepInputs

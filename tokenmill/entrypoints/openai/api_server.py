@@ -7,270 +7,75 @@ until it is ready). SIGTERM/SIGINT drain: new requests get 503, running ones get
 engine dies (a step raised, or ran past `--engine-step-timeout`), every request gets an error,
 /health answers 503, and the process exits with status 1 `DEAD_EXIT_GRACE` seconds later, for a
 supervisor to restart it.
+
+`build_app` puts the app together from its parts: the process's `ServerState` (state.py), the
+request size limits (here), the error handlers and OpenAPI schema (errors.py), the endpoints
+(routes.py) and the web page (entrypoints/web/).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from types import UnionType
-from typing import Annotated, Union, get_args, get_origin
 
 import h11
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
 from tokenmill.entrypoints.openai.args import PROMPT_CHARS_PER_TOKEN, ServerConfig
-from tokenmill.entrypoints.openai.metrics import ServerMetrics
-from tokenmill.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    check_request,
-)
-from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing
-from tokenmill.entrypoints.openai.stats_stream import DEFAULT_INTERVAL, MAX_INTERVAL, MIN_INTERVAL, StatsStream
-from tokenmill.entrypoints.openai.templates import read_template
-from tokenmill.entrypoints.openai.tool_calls import tools_in_template
+from tokenmill.entrypoints.openai.errors import add_error_handlers, openapi_schema
+from tokenmill.entrypoints.openai.routes import add_generation_routes, add_model_routes, add_operations_routes
+from tokenmill.entrypoints.openai.serving import OpenAIServing
+from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.web import web_routes
 from tokenmill.version import __version__
 
 logger = logging.getLogger(__name__)
 
 
-class ServerState:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig):
-        self.config = config
-        self.model_name = config.served_model_name or engine_config.model
-        # Read and parsed before the model loads, so that a missing or broken file stops the server at once.
-        self.chat_template = read_template(config.chat_template) if config.chat_template else None
-        if self.chat_template is not None:
-            tools_in_template(self.chat_template)
-        self.llm = AsyncLLM(engine_config, log_stats_interval=config.log_stats_interval,
-                            step_timeout=config.engine_step_timeout or None)
-        self.metrics = ServerMetrics(self.llm, self.model_name)
-        self.stats_stream = StatsStream(self.llm, self.metrics, self.model_name)
-        self.serving: OpenAIServing | None = None
-        self.draining = False
-        self.started = time.time()
-
-
-def error_response(status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code if code is not None else status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
     state = ServerState(engine_config, config)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state.llm.start()
-        asyncio.ensure_future(_when_ready())
-        yield
-        state.llm.shutdown()
-
-    async def _when_ready():
-        try:
-            engine = await state.llm.wait_ready()
-        except BaseException:  # noqa: BLE001 - logged by the engine thread; /health stays 503
-            return
-        max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
-        state.serving = OpenAIServing(state.llm, engine, state.model_name, state.metrics, state.chat_template,
-                                      max_prompt_chars=max_prompt_chars)
-        logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
-
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=_lifespan)
     app.state.server = state
     add_request_limits(app, config)
-    app.openapi = lambda: _openapi(app)
-
-    # -- errors ------------------------------------------------------------------------------------
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.type, e.code, e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, e: RequestValidationError):
-        errors = e.errors()
-        first = errors[0]
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
-        model = _BODY_MODELS.get(request.url.path)
-        param = _error_param(model, first.get("loc", ()))
-        # A union field fails once per member ("temperature.float", "temperature.int"); a member
-        # that took the type but broke a constraint (17 stop strings: too_long) says the most.
-        same = [err for err in errors if _error_param(model, err.get("loc", ())) == param]
-        first = next((err for err in same if not str(err.get("type", "")).endswith("_type")), first)
-        msg = first.get("msg", "invalid value")
-        where = f"{param}: " if param else "request body: "
-        return error_response(400, f"{where}{msg} (got {_short(first.get('input'))})", param)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(request, e: ValueError):
-        return error_response(400, str(e), getattr(e, "field", None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):
-        if isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", made specific
-            bad = e.__cause__
-            return error_response(400, f"request body is not valid JSON: it is not valid UTF-8 (byte "
-                                       f"{bad.object[bad.start]:#04x} at position {bad.start}: {bad.reason})")
-        return error_response(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error")
-
-    @app.exception_handler(EngineDeadError)
-    @app.exception_handler(RequestAbortedError)
-    async def _engine_gone(request, e: Exception):
-        return error_response(503, str(e), type="server_error")
-
-    # -- guards --------------------------------------------------------------------------------------
-
-    def serving() -> OpenAIServing:
-        if state.draining:
-            raise APIError(503, "the server is shutting down", type="server_error")
-        if state.serving is None:
-            if state.llm.load_error is not None:
-                raise APIError(503, f"the model failed to load: {state.llm.load_error}", type="server_error")
-            raise APIError(503, "the model is still loading", type="server_error", headers={"Retry-After": "5"})
-        return state.serving
-
-    def check_auth(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
-                           type="authentication_error", code="invalid_api_key")
-
-    def check_capacity() -> None:
-        waiting = state.llm.num_unfinished - state.llm.stats.num_running
-        if waiting >= config.max_waiting_requests:
-            raise APIError(429, f"too many requests queued ({waiting}); retry shortly",
-                           type="rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
-
-    async def disconnected(request: Request) -> None:
-        """Returns when the client closes the connection (the body has been read already)."""
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    async def generate(request: Request, handler, body):
-        """Run `handler(serving, body, is_disconnected)` behind the guards: a JSON answer, or SSE."""
-        check_auth(request)
-        check_request(body)
-        s = serving()
-        check_capacity()
-        try:
-            result = await handler(s, body, lambda: disconnected(request))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    # -- OpenAI endpoints ----------------------------------------------------------------------------
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await generate(request, OpenAIServing.completions, body)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await generate(request, OpenAIServing.chat_completions, body)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(request)
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "tokenmill",
-            "max_model_len": state.serving.engine.max_model_len if state.serving else None,
-        }]}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request):
-        check_auth(request)
-        check_request(body)
-        s = serving()
-        s.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        engine = s.engine
-        if body.messages is not None:
-            text = s.chat_template.render(body.messages)
-            s.check_prompt_length(text, "messages")
-            tokens = engine.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            s.check_prompt_length(body.prompt, "prompt")
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request):
-        check_auth(request)
-        check_request(body)
-        s = serving()
-        s.check_model(body.model)
-        vocab = s.engine.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", param="tokens")
-        return {"prompt": s.engine.tokenizer.decode(body.tokens)}
-
-    # -- operations ------------------------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health():
-        if state.draining:
-            return error_response(503, "shutting down", type="server_error")
-        if state.llm.dead_error is not None:
-            return error_response(503, f"the engine stopped: {state.llm.dead_error!r}", type="server_error")
-        if state.serving is None:
-            return error_response(503, "loading" if state.llm.load_error is None else f"load failed: {state.llm.load_error}",
-                                  type="server_error")
-        return {"status": "ok"}
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    # Left out of the OpenAPI schema: it never ends, which a client generated from it would not expect.
-    @app.get("/stats/stream", include_in_schema=False)
-    async def stats_stream(request: Request, interval: float = DEFAULT_INTERVAL):
-        check_auth(request)
-        if not MIN_INTERVAL <= interval <= MAX_INTERVAL:
-            raise APIError(400, f"interval must be in [{MIN_INTERVAL:g}, {MAX_INTERVAL:g}] seconds, got {interval:g}",
-                           param="interval")
-        events = state.stats_stream.events(interval, lambda: state.draining or state.llm.dead_error is not None)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
+    app.openapi = lambda: openapi_schema(app)
+    add_error_handlers(app)
+    add_generation_routes(app, state)
+    add_model_routes(app, state)
+    add_operations_routes(app, state)
     if config.web_ui:
         app.router.routes.extend(web_routes())
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """The engine thread runs while the app does; the model loads meanwhile (`_when_ready`)."""
+    state: ServerState = app.state.server
+    state.llm.start()
+    asyncio.ensure_future(_when_ready(state))
+    yield
+    state.llm.shutdown()
+
+
+async def _when_ready(state: ServerState) -> None:
+    """Once the model has loaded, the serving layer that the endpoints wait for (503 until then)."""
+    try:
+        engine = await state.llm.wait_ready()
+    except BaseException:  # noqa: BLE001 - logged by the engine thread; /health stays 503
+        return
+    config = state.config
+    max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
+    state.serving = OpenAIServing(state.llm, engine, state.model_name, state.metrics, state.chat_template,
+                                  max_prompt_chars=max_prompt_chars)
+    logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
 
 
 def add_request_limits(app, config: ServerConfig) -> None:
@@ -387,97 +192,6 @@ class _H11Protocol(H11Protocol):
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
-
-
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema with the answers the server gives: errors in OpenAI's shape (400 where
-    FastAPI would say 422), the limits' 413 and 431, streams as server-sent events."""
-    if app.openapi_schema is not None:
-        return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-    for name in ("HTTPValidationError", "ValidationError"):
-        schemas.pop(name, None)
-    schemas["ErrorResponse"] = {
-        "type": "object", "required": ["error"],
-        "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}},
-    }
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-    reasons = {"400": "invalid request (the error's param names the field)", "401": "missing or wrong API key",
-               "404": "unknown model", "413": "request body over --max-request-body-bytes",
-               "429": "too many requests queued", "431": "request headers over --max-header-bytes or --max-header-count",
-               "503": "loading, shutting down or the engine stopped"}
-    for path, operations in schema["paths"].items():
-        for method, operation in operations.items():
-            responses = operation["responses"]
-            responses.pop("422", None)
-            statuses = ["400", "413", "431"]
-            if path in _BODY_MODELS:
-                statuses += ["401", "404", "503"] + (["429"] if path.startswith("/v1/") else [])
-            elif path == "/v1/models":
-                statuses += ["401"]
-            elif path == "/health":
-                statuses += ["503"]
-            for status in sorted(statuses):
-                responses[status] = {"description": reasons[status], **error}
-            if path in ("/v1/completions", "/v1/chat/completions"):
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
-    app.openapi_schema = schema
-    return schema
-
-
-_BODY_MODELS: dict[str, type[BaseModel]] = {
-    "/v1/completions": CompletionRequest,
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/tokenize": TokenizeRequest,
-    "/detokenize": DetokenizeRequest,
-}
-
-
-def _error_param(model: type[BaseModel] | None, loc) -> str | None:
-    """The request field (or query parameter) a validation error's location names, as OpenAI's
-    `param`: field names and list indices into nested messages ("messages.0.role"). Pydantic's
-    location goes on with the union member it tried ("temperature.float", "prompt.str") and with
-    list indices and map keys inside plain values ("logit_bias.5.float"); those are cut off."""
-    loc = [p for p in loc if p not in ("body", "query")]
-    if model is None:
-        return str(loc[0]) if loc else None
-    parts: list[str] = []
-    i = 0
-    while model is not None and i < len(loc) and isinstance(loc[i], str) and loc[i] in model.model_fields:
-        parts.append(loc[i])
-        model, is_list = _nested_model(model.model_fields[loc[i]].annotation)
-        i += 1
-        if model is not None and is_list:
-            if i < len(loc) and isinstance(loc[i], int):
-                parts.append(str(loc[i]))
-                i += 1
-            else:
-                break
-    return ".".join(parts) or None
-
-
-def _nested_model(annotation) -> tuple[type[BaseModel] | None, bool]:
-    """(the model a field holds, whether as a list of them), or (None, False) for plain values."""
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        return _nested_model(get_args(annotation)[0])
-    if origin is Union or origin is UnionType:
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        return _nested_model(members[0]) if len(members) == 1 else (None, False)
-    if origin is list:
-        inner, _ = _nested_model(get_args(annotation)[0])
-        return (inner, True) if inner is not None else (None, False)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
-    return None, False
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- running it --------------------------------------------------------------------------------------

@@ -199,6 +199,29 @@ def _undo_rope_permutation(rows: np.ndarray, num_heads: int) -> np.ndarray:
 def load_gguf(path: Path) -> LoadedCheckpoint:
     import gguf
 
+    reader, gguf_arch = _open_gguf(path)
+    arch = _GGUF_ARCHS[gguf_arch]
+    tensors = {t.name: t for t in reader.tensors}
+    config = _gguf_config(reader, path, gguf_arch, arch.architecture, tensors)
+    hf_names, shapes = _tensor_names(path, gguf_arch, config, tensors)
+    check_tensor_shapes(path, config, shapes)
+
+    permuted_heads = (
+        {kind: getattr(config, attr) for kind, attr in _GGUF_ROPE_PERMUTED_HEADS.items()}
+        if arch.rows_permuted_for_rope
+        else {}
+    )
+    stored_types = {names[0]: t.tensor_type.name for name, t in tensors.items() if (names := hf_names.get(name))
+                    and len(names) == 1 and t.tensor_type.name not in gguf_blocks.FLOAT_TYPES}
+    read_weights = functools.partial(_read_weights, gguf, reader, arch, hf_names, shapes, permuted_heads)
+    tokenizer = _gguf_tokenizer(path, reader)
+    return LoadedCheckpoint(source=path, config=config, tokenizer=tokenizer, _read_weights=read_weights,
+                            stored_types=stored_types)
+
+
+def _open_gguf(path: Path) -> tuple[GgufFile, str]:
+    """The file's reader and its `general.architecture`, once the file is readable, whole and of
+    a supported architecture."""
     try:
         reader = GgufFile(path)
     except (GgufFormatError, OSError) as exc:
@@ -210,15 +233,20 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
             f"{path}: GGUF architecture {gguf_arch!r} is not supported; "
             f"supported: {', '.join(sorted(_GGUF_ARCHS))}"
         )
-    arch = _GGUF_ARCHS[gguf_arch]
-    tensors = {t.name: t for t in reader.tensors}
+    names = set()
     for t in reader.tensors:
         if t.data.nbytes != t.n_bytes:
             raise ModelLoadError(f"{path}: tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes (truncated?)")
-    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        names.add(t.name)
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
         raise ModelLoadError(f"{path}: LongRoPE (rope_factors_long/short) is not supported")
+    return reader, gguf_arch
 
-    config = _gguf_config(reader, path, gguf_arch, arch.architecture, tensors)
+
+def _tensor_names(path: Path, gguf_arch: str, config: ModelArchConfig, tensors: dict
+                  ) -> tuple[dict[str, list[str]], dict[str, tuple[int, ...]]]:
+    """GGUF name -> its Hugging Face name(s), and Hugging Face name -> shape in PyTorch's layout.
+    A tensor the family does not have is an error."""
     hf_names: dict[str, list[str]] = {}
     found: dict[str, tuple[int, ...]] = {}
     for name, t in tensors.items():
@@ -235,55 +263,47 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
             found[hf_name] = shape[1:] if len(names) > 1 else shape
         if names[0].endswith("shared_expert_gate.weight") and len(shape) == 1:
             found[names[0]] = (1, *shape)
-    check_tensor_shapes(path, config, found)
+    return hf_names, found
 
-    permuted_heads = (
-        {kind: getattr(config, attr) for kind, attr in _GGUF_ROPE_PERMUTED_HEADS.items()}
-        if arch.rows_permuted_for_rope
-        else {}
-    )
 
-    stored_types = {names[0]: t.tensor_type.name for name, t in tensors.items() if (names := hf_names.get(name))
-                    and len(names) == 1 and t.tensor_type.name not in gguf_blocks.FLOAT_TYPES}
-
-    def read_weights(records: dict[str, str]) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
-        for tensor in reader.tensors:
-            if tensor.name not in hf_names:
-                continue
-            kind = tensor.name.split(".")[-2]
-            names = hf_names[tensor.name]
-            if names[0] in records:
-                blocks = tensor.data.view(np.ndarray).reshape(-1, tensor.data.shape[-1])
-                if records[names[0]] == "int4":
-                    record = gguf_blocks.int4_record(tensor.tensor_type.name, blocks)
-                elif records[names[0]] == "int6":
-                    record = gguf_blocks.int6_record(tensor.tensor_type.name, blocks)
-                else:
-                    record = _int8_record(gguf, tensor.tensor_type, blocks)
-                if kind in permuted_heads:  # every part of a record is per row
-                    record = {k: torch.from_numpy(_undo_rope_permutation(v.numpy(), permuted_heads[kind]).copy())
-                              for k, v in record.items()}
-                _drop_file_pages(reader, tensor)
-                yield names[0], record
-                continue
-            values = _dequantize(gguf, tensor)
-            if kind in permuted_heads:
-                values = _undo_rope_permutation(values, permuted_heads[kind])
-            if arch.norm_stored_plus_one and kind.endswith("norm"):
-                values = values - 1.0
-            if np.may_share_memory(values, tensor.data):  # a view of the read-only file mapping
-                values = values.copy()
-            _drop_file_pages(reader, tensor)
-            if len(names) > 1:  # one slice per expert
-                for name, part in zip(names, values):
-                    yield name, torch.from_numpy(np.ascontiguousarray(part))
+def _read_weights(gguf, reader: GgufFile, arch: _GgufArch, hf_names: dict[str, list[str]],
+                  shapes: dict[str, tuple[int, ...]], permuted_heads: dict[str, int], records: dict[str, str],
+                  ) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
+    """`LoadedCheckpoint.weights` of a GGUF file, in the file's order (`load_gguf` binds all but
+    `records`)."""
+    for tensor in reader.tensors:
+        if tensor.name not in hf_names:
+            continue
+        kind = tensor.name.split(".")[-2]
+        names = hf_names[tensor.name]
+        if names[0] in records:
+            blocks = tensor.data.view(np.ndarray).reshape(-1, tensor.data.shape[-1])
+            if records[names[0]] == "int4":
+                record = gguf_blocks.int4_record(tensor.tensor_type.name, blocks)
+            elif records[names[0]] == "int6":
+                record = gguf_blocks.int6_record(tensor.tensor_type.name, blocks)
             else:
-                yield names[0], torch.from_numpy(np.ascontiguousarray(values)).view(found[names[0]])
-            del values
-
-    tokenizer = _gguf_tokenizer(path, reader)
-    return LoadedCheckpoint(source=path, config=config, tokenizer=tokenizer, _read_weights=read_weights,
-                            stored_types=stored_types)
+                record = _int8_record(gguf, tensor.tensor_type, blocks)
+            if kind in permuted_heads:  # every part of a record is per row
+                record = {k: torch.from_numpy(_undo_rope_permutation(v.numpy(), permuted_heads[kind]).copy())
+                          for k, v in record.items()}
+            _drop_file_pages(reader, tensor)
+            yield names[0], record
+            continue
+        values = _dequantize(gguf, tensor)
+        if kind in permuted_heads:
+            values = _undo_rope_permutation(values, permuted_heads[kind])
+        if arch.norm_stored_plus_one and kind.endswith("norm"):
+            values = values - 1.0
+        if np.may_share_memory(values, tensor.data):  # a view of the read-only file mapping
+            values = values.copy()
+        _drop_file_pages(reader, tensor)
+        if len(names) > 1:  # one slice per expert
+            for name, part in zip(names, values):
+                yield name, torch.from_numpy(np.ascontiguousarray(part))
+        else:
+            yield names[0], torch.from_numpy(np.ascontiguousarray(values)).view(shapes[names[0]])
+        del values
 
 
 _MISSING = object()

@@ -21,6 +21,8 @@ machines only ever loads on a CPU that has its instructions:
 The host's level is read from /proc/cpuinfo once. `TOKENMILL_CPU_ISA` caps it for the whole
 process (as `ONEDNN_MAX_CPU_ISA` caps oneDNN), so an AVX-512 machine runs and measures the AVX2
 code exactly as an AVX2-only machine would; `EngineConfig.cpu_isa` picks a level per engine.
+
+A leaf of the package graph (the standard library only), so that config can resolve the level.
 """
 
 from __future__ import annotations
