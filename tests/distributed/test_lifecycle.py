@@ -100,6 +100,9 @@ elif SCENARIO == "failed-start":
     except ConfigError as e:
         report(case="config error", error=str(e), seen=list(seen), left=workers())
     seen.clear()
+    # Ctrl-C raises KeyboardInterrupt even where this process was started with SIGINT ignored (a
+    # background job of a shell inherits that, and passes it on to its children)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     def interrupt():  # Ctrl-C while the workers start (rank 0 waits for them to join): rank 0 alone raises
         while not seen:
             seen.extend(workers())

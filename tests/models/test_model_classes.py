@@ -17,8 +17,8 @@ from tests.models.test_families import FAMILIES, make_checkpoint
 from tokenmill import SamplingParams
 from tokenmill.models import MODEL_CLASSES
 from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.loader import SUPPORTED_ARCHITECTURES
+from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tokenmill.models.loader import supported_architectures
 from tokenmill.models.mixtral import MixtralForCausalLM
 from tokenmill.models.phi3 import Phi3ForCausalLM
 from tokenmill.models.qwen2 import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -27,7 +27,7 @@ from tokenmill.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 # test_families.py's family -> (its architecture, the class that runs it, whether the DecoderStack runs its layers)
 PATHS = {
     "llama3.1-rope": ("llama", LlamaForCausalLM, True),
-    "mistral": ("mistral", LlamaForCausalLM, True),
+    "mistral": ("mistral", MistralForCausalLM, True),
     "qwen2-yarn": ("qwen2", Qwen2ForCausalLM, True),
     "phi3": ("phi3", Phi3ForCausalLM, True),
     "qwen3": ("qwen3", Qwen3ForCausalLM, False),  # q/k norms
@@ -40,9 +40,9 @@ PATHS = {
 
 
 def test_every_architecture_has_one_class_and_is_tested_here():
-    assert MODEL_CLASSES.keys() == set(SUPPORTED_ARCHITECTURES)
+    assert MODEL_CLASSES.keys() == set(supported_architectures())
     assert PATHS.keys() == FAMILIES.keys()
-    assert {arch for arch, _, _ in PATHS.values()} == set(SUPPORTED_ARCHITECTURES)
+    assert {arch for arch, _, _ in PATHS.values()} == set(supported_architectures())
     for arch, cls, stack in PATHS.values():
         assert MODEL_CLASSES[arch] is cls and cls.takes_cpu_decoder is stack, arch
 

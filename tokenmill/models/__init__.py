@@ -1,5 +1,6 @@
 """Model implementations by architecture (one file per family over models/base.py's `CausalLM`),
-and building one from a loaded checkpoint."""
+and building one from a loaded checkpoint. MODEL_CLASSES is also what the loaders open: each
+class declares the checkpoints it answers to (models/base.py), read by models/loader/."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 from tokenmill.layers.attention import make_backend
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.loader import SUPPORTED_ARCHITECTURES, LoadedCheckpoint
+from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tokenmill.models.loader import LoadedCheckpoint
 from tokenmill.models.mixtral import MixtralForCausalLM
 from tokenmill.models.phi3 import Phi3ForCausalLM
 from tokenmill.models.qwen2 import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -18,7 +19,7 @@ from tokenmill.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 # ModelArchConfig.architecture -> the family's model class. A new family: its file, and its line here.
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,  # Llama's layer; its sliding window is the config's
+    "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
@@ -28,8 +29,20 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
 }
-# What the loaders open (models/loader/arch.py) is what there is a class for, and nothing else.
-assert MODEL_CLASSES.keys() == set(SUPPORTED_ARCHITECTURES), sorted(MODEL_CLASSES.keys() ^ set(SUPPORTED_ARCHITECTURES))
+
+
+def _check_registry() -> None:
+    """One class per architecture, and no checkpoint that two families answer to (a GGUF name
+    two share must tell them apart by their experts: models/loader/gguf_loader.py)."""
+    classes = list(MODEL_CLASSES.values())
+    assert len(set(classes)) == len(classes), "a class serves two architectures"
+    hf_types = [name for cls in classes for name in cls.hf_model_types]
+    assert len(set(hf_types)) == len(hf_types), f"a config.json model_type answered twice: {sorted(hf_types)}"
+    gguf = [(name, cls.has_experts) for cls in classes for name in cls.gguf_architectures]
+    assert len(set(gguf)) == len(gguf), f"a GGUF architecture answered twice: {sorted(gguf)}"
+
+
+_check_registry()
 
 
 def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype,

@@ -23,7 +23,7 @@ Python layers.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -54,6 +54,58 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Whether the MLPs route tokens to experts (models/moe.py): a GGUF architecture name two
+    # families share (llama.cpp's "llama": Llama and Mixtral) goes to the one whose experts match
+    # the file's expert_count.
+    has_experts: ClassVar[bool] = False
+
+    # --- What checkpoints the family opens: models/loader/ reads these through MODEL_CLASSES. ---
+    # Each family class states its own (a subclass does not answer to its base's names).
+    # config.json model_type -> the defaults transformers uses for keys such a config omits.
+    hf_model_types: ClassVar[dict[str, dict[str, Any]]] = {}
+    # config.json model_types of a multimodal model around the family (a `text_config` beside a
+    # vision tower) -> why it is refused.
+    hf_multimodal_model_types: ClassVar[dict[str, str]] = {}
+    # hidden_act values in its configs that mean another activation (Gemma's "gelu").
+    hf_activation_aliases: ClassVar[dict[str, str]] = {}
+    # GGUF general.architecture values the family answers to.
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    # llama.cpp interleaved each head's q/k rows for its "normal" RoPE (Llama); the loader undoes it.
+    gguf_rows_permuted_for_rope: ClassVar[bool] = False
+    # llama.cpp stores the norms as (1 + w) (Gemma); the loader hands out w, as in the checkpoint.
+    gguf_norm_stored_plus_one: ClassVar[bool] = False
+    # GGUF tensor name -> Hugging Face name ("{bid}": the layer) where the family's differ from
+    # the loader's table (models/loader/gguf_loader.py: _GGUF_TO_HF).
+    gguf_tensor_names: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def hf_fields(cls, hf) -> dict[str, Any]:
+        """The ModelArchConfig fields of the family's config.json `hf` (models/loader/hf_loader.py:
+        HfConfig) beyond those every family reads alike (sizes, norm eps, RoPE, activation,
+        soft-caps, tokens): what the family adds to Llama's layer, its sliding window included.
+        Raise ModelLoadError for what it cannot run."""
+        return hf.sliding_window()
+
+    @classmethod
+    def gguf_fields(cls, gguf) -> dict[str, Any]:
+        """As `hf_fields`, from a GGUF file's metadata `gguf` (models/loader/gguf_loader.py: GgufMetadata)."""
+        return {}
+
+    @classmethod
+    def attention_weight_shapes(cls, config: ModelArchConfig, layer: str) -> dict[str, tuple[int, ...]]:
+        """The q/k/v projection weights a checkpoint holds for layer `layer` ("model.layers.i"),
+        with their PyTorch shapes (models/loader/arch.py: expected_weight_shapes adds the rest)."""
+        hidden, q_size = config.hidden_size, config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+        return {f"{layer}.self_attn.q_proj.weight": (q_size, hidden), f"{layer}.self_attn.k_proj.weight": (kv_size, hidden),
+                f"{layer}.self_attn.v_proj.weight": (kv_size, hidden)}
+
+    @classmethod
+    def mlp_weight_shapes(cls, config: ModelArchConfig, layer: str) -> dict[str, tuple[int, ...]]:
+        """As `attention_weight_shapes`, the MLP's weights."""
+        hidden, ffn = config.hidden_size, config.intermediate_size
+        return {f"{layer}.mlp.gate_proj.weight": (ffn, hidden), f"{layer}.mlp.up_proj.weight": (ffn, hidden),
+                f"{layer}.mlp.down_proj.weight": (hidden, ffn)}
 
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_position: int, dtype: torch.dtype,
                  cpu_kernels=None, parallel=None, shard=None):

@@ -123,9 +123,27 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), sparse)
 
 
+# The defaults transformers uses for keys a Llama-like config.json omits (the other families' start from them).
+LLAMA_HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+                     "tie_word_embeddings": False}
+
+
 class LlamaForCausalLM(CausalLM):
-    """Llama and Mistral; the base of every family whose layer is exactly this one (Qwen2, Phi-3),
+    """Llama; the base of every family whose layer is exactly this one (Mistral, Qwen2, Phi-3),
     which the compiled CPU decoder takes."""
 
     layer_class = LlamaDecoderLayer
     takes_cpu_decoder = True
+    hf_model_types = {"llama": LLAMA_HF_DEFAULTS}
+    gguf_architectures = ("llama",)
+    gguf_rows_permuted_for_rope = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layer; its sliding window is the config's. Its GGUF files say "llama" (same
+    tensors, same q/k row order) and load as Llama."""
+
+    takes_cpu_decoder = True
+    hf_model_types = {"mistral": LLAMA_HF_DEFAULTS | {"max_position_embeddings": 4096 * 32}}
+    gguf_architectures = ()
+    gguf_rows_permuted_for_rope = False

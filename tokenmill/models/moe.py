@@ -64,6 +64,40 @@ class MoEForCausalLM(CausalLM):
     # Checkpoint module names that are another here (Mixtral's block_sparse_moe is our mlp).
     renamed_modules: ClassVar[dict[str, str]] = {}
 
+    has_experts = True
+
+    @classmethod
+    def expert_weight_name(cls, layer: int | str, expert: int, part: tuple[str, int]) -> str:
+        """The checkpoint name of expert `expert`'s projection that fills `part` (a value of
+        `expert_modules`: stacked parameter, shard) of layer `layer`."""
+        name = next(name for name, value in cls.expert_modules.items() if value == part)
+        mlp = next((theirs for theirs, ours in cls.renamed_modules.items() if ours == "mlp"), "mlp")
+        return f"model.layers.{layer}.{mlp}.experts.{expert}.{name}.weight"
+
+    @classmethod
+    def mlp_weight_shapes(cls, config: ModelArchConfig, layer: str) -> dict[str, tuple[int, ...]]:
+        """The router's weight, then each expert's gate, up and down projections."""
+        if not config.num_experts:
+            return super().mlp_weight_shapes(config, layer)
+        hidden, inner, i = config.hidden_size, config.moe_intermediate_size, layer.rpartition(".")[2]
+        router = cls.expert_weight_name(i, 0, ("w13", 0)).partition(".experts.")[0] + ".gate.weight"
+        shapes = {router: (config.num_experts, hidden)}
+        for e in range(config.num_experts):
+            shapes |= {cls.expert_weight_name(i, e, ("w13", 0)): (inner, hidden),
+                       cls.expert_weight_name(i, e, ("w13", 1)): (inner, hidden),
+                       cls.expert_weight_name(i, e, ("w2", 0)): (hidden, inner)}
+        return shapes
+
+    @classmethod
+    def gguf_fields(cls, gguf) -> dict:
+        """The experts' fields from llama.cpp's metadata (norm_topk_prob: True unless a family says not)."""
+        return dict(num_experts=int(gguf.get("expert_count", 0) or 0),
+                    num_experts_per_tok=int(gguf.get("expert_used_count")),
+                    moe_intermediate_size=int(gguf.get("expert_feed_forward_length", None)
+                                              or gguf.get("feed_forward_length")),
+                    shared_expert_intermediate_size=int(gguf.get("expert_shared_feed_forward_length", 0)),
+                    norm_topk_prob=True)
+
     def enable_activation_sparsity(self, thresholds: torch.Tensor, prefill: bool = False) -> None:
         raise ValueError("activation sparsity: not for mixtures of experts (their MLP takes no thresholds)")
 

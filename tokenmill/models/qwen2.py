@@ -12,11 +12,30 @@ import torch
 
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.models.base import CausalLM
-from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.models.llama import LLAMA_HF_DEFAULTS, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+QWEN_HF_DEFAULTS = LLAMA_HF_DEFAULTS | {"max_position_embeddings": 32768}
+
+
+def qwen_sliding_window(hf, used_only_with: str | None = "use_sliding_window") -> dict:
+    """sliding_window and layer_types of a Qwen config.json: the layers from max_window_layers up
+    slide. Qwen configs carry a window they use only with use_sliding_window (Qwen3's: always)."""
+    def layer_types() -> list[str]:
+        first_sliding = hf.raw.get("max_window_layers", hf.num_layers)
+        return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(hf.num_layers)]
+
+    return hf.sliding_window(layer_types, used_only_with)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     takes_cpu_decoder = True
+    hf_model_types = {"qwen2": QWEN_HF_DEFAULTS}
+    gguf_architectures = ("qwen2",)
+    gguf_rows_permuted_for_rope = False
+
+    @classmethod
+    def hf_fields(cls, hf):
+        return {"attention_bias": True, **qwen_sliding_window(hf)}  # every Qwen2 has q/k/v biases
 
 
 class Qwen3Attention(LlamaAttention):
@@ -44,3 +63,13 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 class Qwen3ForCausalLM(CausalLM):
     layer_class = Qwen3DecoderLayer
     takes_cpu_decoder = False  # the q/k norms
+    hf_model_types = {"qwen3": QWEN_HF_DEFAULTS | {"head_dim": 128}}
+    gguf_architectures = ("qwen3",)
+
+    @classmethod
+    def hf_fields(cls, hf):
+        return {"qk_norm": True, **qwen_sliding_window(hf, used_only_with=None)}
+
+    @classmethod
+    def gguf_fields(cls, gguf):
+        return {"qk_norm": True}

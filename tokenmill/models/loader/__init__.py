@@ -7,6 +7,11 @@ order. Everything that can be checked without reading tensor data (architecture,
 tensor names and shapes, tokenizer) is checked in `load_checkpoint`, so a bad file fails there
 with a `ModelLoadError` that names it, not halfway through building a model.
 
+What a family opens (its config.json model_types and defaults, GGUF architecture names, fields
+beyond Llama's, checkpoint tensor names) is declared on its class (models/base.py: `CausalLM`) and
+read here through the registry (models/__init__.py: MODEL_CLASSES); the loaders hold no per-family
+tables.
+
 The package: `arch.py` (the architecture, `ModelArchConfig`, and the weights it implies),
 `checkpoint.py` (`LoadedCheckpoint`, `ModelLoadError`), `gguf_loader.py` (GGUF files, their
 tokenizer included) and `hf_loader.py` (Hugging Face directories).
@@ -17,15 +22,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenmill.models.loader.arch import (
-    HIDDEN_ACTIVATIONS, LAYER_TYPES, ROPE_TYPES, SUPPORTED_ARCHITECTURES, ModelArchConfig, expected_weight_shapes,
+    HIDDEN_ACTIVATIONS, LAYER_TYPES, ROPE_TYPES, ModelArchConfig, expected_weight_shapes, supported_architectures,
 )
 from tokenmill.models.loader.checkpoint import LoadedCheckpoint, ModelLoadError
 from tokenmill.models.loader.gguf_loader import load_gguf
 from tokenmill.models.loader.hf_loader import arch_config_from_dict, load_hf_dir
 
 __all__ = [
-    "HIDDEN_ACTIVATIONS", "LAYER_TYPES", "ROPE_TYPES", "SUPPORTED_ARCHITECTURES", "LoadedCheckpoint", "ModelArchConfig",
-    "ModelLoadError", "arch_config_from_dict", "expected_weight_shapes", "load_checkpoint",
+    "HIDDEN_ACTIVATIONS", "LAYER_TYPES", "ROPE_TYPES", "LoadedCheckpoint", "ModelArchConfig", "ModelLoadError",
+    "arch_config_from_dict", "expected_weight_shapes", "load_checkpoint", "supported_architectures",
 ]
 
 

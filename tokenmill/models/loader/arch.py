@@ -1,12 +1,26 @@
 """A decoder-only model's architecture, whatever file it came from: `ModelArchConfig`, and the
-weight names and shapes a checkpoint of it holds (the family's Hugging Face names)."""
+weight names and shapes a checkpoint of it holds (the family's Hugging Face names).
+
+Which architectures there are, and what each family opens, is the model registry's
+(models/__init__.py: MODEL_CLASSES, each class's loading declarations in models/base.py), read
+through `model_classes`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
-                           "qwen3_moe")
+
+def model_classes() -> dict[str, type]:
+    """MODEL_CLASSES: architecture -> the family's class, in the registry's order. Imported when
+    called, not at import: the model package imports this one, and is whole before a loader runs."""
+    from tokenmill.models import MODEL_CLASSES
+
+    return MODEL_CLASSES
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(model_classes())
+
 HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # rope_scaling types (Hugging Face's rope_type) that layers/rotary.py computes; "freq_factors" is
@@ -19,7 +33,7 @@ class ModelArchConfig:
     """One decoder-only family's shape. The fields after `eos_token_ids` are what families add to
     the Llama baseline; their defaults are Llama's."""
 
-    architecture: str  # normalized family, one of SUPPORTED_ARCHITECTURES
+    architecture: str  # normalized family: a key of MODEL_CLASSES (supported_architectures())
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -74,10 +88,8 @@ class ModelArchConfig:
             self.layer_window(i) is not None for i in range(self.num_hidden_layers))
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture={self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if self.architecture not in (supported := supported_architectures()):
+            raise ValueError(f"architecture={self.architecture!r}; supported: {', '.join(supported)}")
         for name in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -121,9 +133,11 @@ class ModelArchConfig:
 
 def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     """Every weight name a checkpoint with `config` must provide, with its PyTorch shape (the
-    names of the family's Hugging Face checkpoints)."""
+    names of the family's Hugging Face checkpoints: its class's `attention_weight_shapes` and
+    `mlp_weight_shapes`, and what every family has)."""
+    family = model_classes()[config.architecture]
     hidden, q_size = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv_size, ffn = config.num_key_value_heads * config.head_dim, config.intermediate_size
+    kv_size = config.num_key_value_heads * config.head_dim
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
@@ -134,16 +148,7 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
             f"{layer}.self_attn.o_proj.weight": (hidden, q_size),
             f"{layer}.post_attention_layernorm.weight": (hidden,),
         }
-        if config.architecture == "phi3":  # fused in the checkpoint as they are here
-            shapes[f"{layer}.self_attn.qkv_proj.weight"] = (q_size + 2 * kv_size, hidden)
-            shapes[f"{layer}.mlp.gate_up_proj.weight"] = (2 * ffn, hidden)
-            shapes[f"{layer}.mlp.down_proj.weight"] = (hidden, ffn)
-        else:
-            shapes |= {
-                f"{layer}.self_attn.q_proj.weight": (q_size, hidden),
-                f"{layer}.self_attn.k_proj.weight": (kv_size, hidden),
-                f"{layer}.self_attn.v_proj.weight": (kv_size, hidden),
-            }
+        shapes |= family.attention_weight_shapes(config, layer)
         if config.attention_bias:
             shapes |= {
                 f"{layer}.self_attn.q_proj.bias": (q_size,),
@@ -156,32 +161,5 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
         if config.sandwich_norms:
             shapes |= {f"{layer}.pre_feedforward_layernorm.weight": (hidden,),
                        f"{layer}.post_feedforward_layernorm.weight": (hidden,)}
-        shapes |= _mlp_shapes(config, layer)
-    return shapes
-
-
-def _mlp_shapes(config: ModelArchConfig, layer: str) -> dict[str, tuple[int, ...]]:
-    hidden, ffn = config.hidden_size, config.intermediate_size
-    if config.architecture == "phi3":
-        return {}
-    if not config.num_experts:
-        return {f"{layer}.mlp.gate_proj.weight": (ffn, hidden), f"{layer}.mlp.up_proj.weight": (ffn, hidden),
-                f"{layer}.mlp.down_proj.weight": (hidden, ffn)}
-    inner, shapes = config.moe_intermediate_size, {}
-    if config.architecture == "mixtral":
-        shapes[f"{layer}.block_sparse_moe.gate.weight"] = (config.num_experts, hidden)
-        for e in range(config.num_experts):
-            expert = f"{layer}.block_sparse_moe.experts.{e}"
-            shapes |= {f"{expert}.w1.weight": (inner, hidden), f"{expert}.w3.weight": (inner, hidden),
-                       f"{expert}.w2.weight": (hidden, inner)}
-        return shapes
-    shapes[f"{layer}.mlp.gate.weight"] = (config.num_experts, hidden)
-    for e in range(config.num_experts):
-        expert = f"{layer}.mlp.experts.{e}"
-        shapes |= {f"{expert}.gate_proj.weight": (inner, hidden), f"{expert}.up_proj.weight": (inner, hidden),
-                   f"{expert}.down_proj.weight": (hidden, inner)}
-    if shared := config.shared_expert_intermediate_size:
-        expert = f"{layer}.mlp.shared_expert"
-        shapes |= {f"{expert}.gate_proj.weight": (shared, hidden), f"{expert}.up_proj.weight": (shared, hidden),
-                   f"{expert}.down_proj.weight": (hidden, shared), f"{layer}.mlp.shared_expert_gate.weight": (1, hidden)}
+        shapes |= family.mlp_weight_shapes(config, layer)
     return shapes

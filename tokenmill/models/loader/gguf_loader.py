@@ -23,10 +23,8 @@ import torch
 
 from tokenmill.models import gguf_blocks
 from tokenmill.models.gguf_file import GgufFile, GgufFormatError
-from tokenmill.models.loader.arch import ModelArchConfig
-from tokenmill.models.loader.checkpoint import (
-    LoadedCheckpoint, ModelLoadError, check_tensor_shapes, positive_or_none, unique_ids,
-)
+from tokenmill.models.loader.arch import ModelArchConfig, model_classes
+from tokenmill.models.loader.checkpoint import LoadedCheckpoint, ModelLoadError, check_tensor_shapes, unique_ids
 
 _log = logging.getLogger(__name__)
 
@@ -34,29 +32,6 @@ if TYPE_CHECKING:
     import gguf
     from transformers import PreTrainedTokenizerBase
 
-
-@dataclass(frozen=True)
-class _GgufArch:
-    architecture: str  # our normalized family
-    # llama.cpp's converter permutes the q/k rows of Llama checkpoints so that each head's two
-    # RoPE halves are interleaved (its "normal" rope); the others use NeoX rope, stored as is.
-    rows_permuted_for_rope: bool = False
-    # llama.cpp stores Gemma's norm weights as (1 + w): the loader hands out w, as in the checkpoint.
-    norm_stored_plus_one: bool = False
-
-
-# general.architecture -> family. Mistral GGUFs say "llama" (same tensors, same permutation), and
-# so do Mixtral's (with an expert count).
-_GGUF_ARCHS = {
-    "llama": _GgufArch("llama", rows_permuted_for_rope=True),
-    "qwen2": _GgufArch("qwen2"),
-    "qwen3": _GgufArch("qwen3"),
-    "phi3": _GgufArch("phi3"),
-    "gemma2": _GgufArch("gemma2", norm_stored_plus_one=True),
-    "gemma3": _GgufArch("gemma3", norm_stored_plus_one=True),
-    "qwen2moe": _GgufArch("qwen2_moe"),
-    "qwen3moe": _GgufArch("qwen3_moe"),
-}
 
 # GGUF tensor name -> Hugging Face name; "{bid}" is the layer index.
 _GGUF_TO_HF = {
@@ -85,19 +60,9 @@ _GGUF_TO_HF = {
     "blk.{bid}.ffn_down_shexp.weight": "model.layers.{bid}.mlp.shared_expert.down_proj.weight",
     "blk.{bid}.ffn_gate_inp_shexp.weight": "model.layers.{bid}.mlp.shared_expert_gate.weight",
 }
-# Where a family's tensors differ: Gemma's norms around both sublayers; Phi-3's fused gate/up.
-_GGUF_TO_HF_BY_FAMILY = {
-    "gemma2": {
-        "blk.{bid}.post_attention_norm.weight": "model.layers.{bid}.post_attention_layernorm.weight",
-        "blk.{bid}.ffn_norm.weight": "model.layers.{bid}.pre_feedforward_layernorm.weight",
-        "blk.{bid}.post_ffw_norm.weight": "model.layers.{bid}.post_feedforward_layernorm.weight",
-    },
-    "phi3": {"blk.{bid}.ffn_up.weight": "model.layers.{bid}.mlp.gate_up_proj.weight"},
-}
-_GGUF_TO_HF_BY_FAMILY["gemma3"] = _GGUF_TO_HF_BY_FAMILY["gemma2"]
-# A mixture of experts' 3-D tensors, one slice per expert -> the per-expert name's projection.
-_GGUF_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# A mixture of experts' 3-D tensors, one slice per expert -> the part of the stacked expert
+# parameters it fills (MoEForCausalLM.expert_modules), whose checkpoint name the family gives.
+_GGUF_EXPERT_TENSORS = {"ffn_gate_exps": ("w13", 0), "ffn_up_exps": ("w13", 1), "ffn_down_exps": ("w2", 0)}
 
 # GGUF tensors whose rows llama.cpp permuted (when the arch says so) -> how many heads they hold.
 _GGUF_ROPE_PERMUTED_HEADS = {
@@ -108,26 +73,16 @@ _GGUF_ROPE_PERMUTED_HEADS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_names(gguf_name: str, config: ModelArchConfig) -> list[str] | None:
+def _hf_names(gguf_name: str, config: ModelArchConfig, family: type) -> list[str] | None:
     """The Hugging Face name(s) of GGUF tensor `gguf_name` (an expert tensor holds one per
     expert), or None when the family has no such tensor."""
-    family = config.architecture
     if match := _LAYER_NAME.fullmatch(gguf_name):
         bid, part, kind = match.groups()
         if part in _GGUF_EXPERT_TENSORS and kind == "weight" and config.num_experts:
-            proj = _GGUF_EXPERT_TENSORS[part]
-            if family == "mixtral":
-                return [f"model.layers.{bid}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT_NAMES[proj]}.weight"
-                        for e in range(config.num_experts)]
-            return [f"model.layers.{bid}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts)]
+            return [family.expert_weight_name(bid, e, _GGUF_EXPERT_TENSORS[part]) for e in range(config.num_experts)]
         key = f"blk.{{bid}}.{part}.{kind}"
-        template = _GGUF_TO_HF_BY_FAMILY.get(family, {}).get(key) or _GGUF_TO_HF.get(key)
-        if template is None:
-            return None
-        name = template.format(bid=bid)
-        if family == "mixtral":
-            name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-        return [name]
+        template = family.gguf_tensor_names.get(key) or _GGUF_TO_HF.get(key)
+        return None if template is None else [template.format(bid=bid)]
     name = _GGUF_TO_HF.get(gguf_name)
     return [name] if name else None
 
@@ -200,20 +155,21 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
     import gguf
 
     reader, gguf_arch = _open_gguf(path)
-    arch = _GGUF_ARCHS[gguf_arch]
     tensors = {t.name: t for t in reader.tensors}
-    config = _gguf_config(reader, path, gguf_arch, arch.architecture, tensors)
-    hf_names, shapes = _tensor_names(path, gguf_arch, config, tensors)
+    architecture, family = _gguf_family(reader, path, gguf_arch)
+    config = _gguf_config(reader, path, gguf_arch, architecture, family, tensors)
+    hf_names, shapes = _tensor_names(path, gguf_arch, config, family, tensors)
     check_tensor_shapes(path, config, shapes)
 
     permuted_heads = (
         {kind: getattr(config, attr) for kind, attr in _GGUF_ROPE_PERMUTED_HEADS.items()}
-        if arch.rows_permuted_for_rope
+        if family.gguf_rows_permuted_for_rope
         else {}
     )
     stored_types = {names[0]: t.tensor_type.name for name, t in tensors.items() if (names := hf_names.get(name))
                     and len(names) == 1 and t.tensor_type.name not in gguf_blocks.FLOAT_TYPES}
-    read_weights = functools.partial(_read_weights, gguf, reader, arch, hf_names, shapes, permuted_heads)
+    read_weights = functools.partial(_read_weights, gguf, reader, family.gguf_norm_stored_plus_one, hf_names, shapes,
+                                     permuted_heads)
     tokenizer = _gguf_tokenizer(path, reader)
     return LoadedCheckpoint(source=path, config=config, tokenizer=tokenizer, _read_weights=read_weights,
                             stored_types=stored_types)
@@ -221,17 +177,18 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
 
 def _open_gguf(path: Path) -> tuple[GgufFile, str]:
     """The file's reader and its `general.architecture`, once the file is readable, whole and of
-    a supported architecture."""
+    a supported architecture (one a family class lists in `gguf_architectures`)."""
     try:
         reader = GgufFile(path)
     except (GgufFormatError, OSError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
 
     gguf_arch = _gguf_field(reader, path, "general.architecture")
-    if gguf_arch not in _GGUF_ARCHS:
+    supported = {name for family in model_classes().values() for name in family.gguf_architectures}
+    if gguf_arch not in supported:
         raise ModelLoadError(
             f"{path}: GGUF architecture {gguf_arch!r} is not supported; "
-            f"supported: {', '.join(sorted(_GGUF_ARCHS))}"
+            f"supported: {', '.join(sorted(supported))}"
         )
     names = set()
     for t in reader.tensors:
@@ -243,7 +200,18 @@ def _open_gguf(path: Path) -> tuple[GgufFile, str]:
     return reader, gguf_arch
 
 
-def _tensor_names(path: Path, gguf_arch: str, config: ModelArchConfig, tensors: dict
+def _gguf_family(reader: GgufFile, path: Path, gguf_arch: str) -> tuple[str, type]:
+    """(architecture, family class) of a file of `gguf_arch`: the one family that lists it, or,
+    where two do (llama.cpp writes Mixtral as "llama" with an expert count), the one whose MLPs
+    have experts as the file does."""
+    candidates = [(a, family) for a, family in model_classes().items() if gguf_arch in family.gguf_architectures]
+    if len(candidates) == 1:
+        return candidates[0]
+    has_experts = bool(int(_gguf_field(reader, path, f"{gguf_arch}.expert_count", 0) or 0))
+    return next((a, family) for a, family in candidates if family.has_experts == has_experts)
+
+
+def _tensor_names(path: Path, gguf_arch: str, config: ModelArchConfig, family: type, tensors: dict
                   ) -> tuple[dict[str, list[str]], dict[str, tuple[int, ...]]]:
     """GGUF name -> its Hugging Face name(s), and Hugging Face name -> shape in PyTorch's layout.
     A tensor the family does not have is an error."""
@@ -252,7 +220,7 @@ def _tensor_names(path: Path, gguf_arch: str, config: ModelArchConfig, tensors: 
     for name, t in tensors.items():
         if name == "rope_freqs.weight":  # read into config.rope_scaling
             continue
-        names = _hf_names(name, config)
+        names = _hf_names(name, config, family)
         if names is None:
             what = " (a mixture of experts' tensor: this file's experts are not in its metadata)" if "_exps" in name else ""
             raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for architecture {gguf_arch!r}{what}")
@@ -266,7 +234,7 @@ def _tensor_names(path: Path, gguf_arch: str, config: ModelArchConfig, tensors: 
     return hf_names, found
 
 
-def _read_weights(gguf, reader: GgufFile, arch: _GgufArch, hf_names: dict[str, list[str]],
+def _read_weights(gguf, reader: GgufFile, norm_plus_one: bool, hf_names: dict[str, list[str]],
                   shapes: dict[str, tuple[int, ...]], permuted_heads: dict[str, int], records: dict[str, str],
                   ) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
     """`LoadedCheckpoint.weights` of a GGUF file, in the file's order (`load_gguf` binds all but
@@ -293,7 +261,7 @@ def _read_weights(gguf, reader: GgufFile, arch: _GgufArch, hf_names: dict[str, l
         values = _dequantize(gguf, tensor)
         if kind in permuted_heads:
             values = _undo_rope_permutation(values, permuted_heads[kind])
-        if arch.norm_stored_plus_one and kind.endswith("norm"):
+        if norm_plus_one and kind.endswith("norm"):  # stored as (1 + w)
             values = values - 1.0
         if np.may_share_memory(values, tensor.data):  # a view of the read-only file mapping
             values = values.copy()
@@ -321,9 +289,27 @@ def _gguf_field(reader: GgufFile, path: Path, key: str, default: Any = _MISSING)
         raise ModelLoadError(f"{path}: GGUF metadata {key!r} is unreadable ({exc})") from exc
 
 
-def _gguf_config(
-    reader: GgufFile, path: Path, gguf_arch: str, architecture: str, tensors: dict
-) -> ModelArchConfig:
+@dataclass(frozen=True)
+class GgufMetadata:
+    """A GGUF file's metadata as a family's `gguf_fields` reads it, with the values every family
+    reads alike (as stored: not yet checked or converted)."""
+
+    path: Path
+    reader: GgufFile
+    architecture: str  # general.architecture: the prefix of the model's keys
+    hidden_size: Any
+    num_heads: Any
+    head_dim: Any
+    num_layers: int
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """The model's metadata `key` ("attention.sliding_window" is "<architecture>.attention.sliding_window");
+        `default` where the file has none, else ModelLoadError."""
+        return _gguf_field(self.reader, self.path, f"{self.architecture}.{key}", default)
+
+
+def _gguf_config(reader: GgufFile, path: Path, gguf_arch: str, architecture: str, family: type, tensors: dict
+                 ) -> ModelArchConfig:
     def meta(key: str, default: Any = _MISSING) -> Any:
         return _gguf_field(reader, path, key, default)
 
@@ -344,41 +330,11 @@ def _gguf_config(
             raise ModelLoadError(f"{path}: both rope_freqs and RoPE scaling metadata")
         factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
-    family, extra = architecture, {}
-    expert_count = int(meta(f"{gguf_arch}.expert_count", 0) or 0)
-    if gguf_arch == "llama" and expert_count:
-        family = "mixtral"
-    if family in ("gemma2", "gemma3"):
-        # llama.cpp's attention scale: 1/sqrt(hidden / heads) for the 27B sizes, else 1/sqrt(head_dim).
-        big = num_layers == (46 if family == "gemma2" else 62)
-        window = int(meta(f"{gguf_arch}.attention.sliding_window", 4096))
-        pattern = 2 if family == "gemma2" else 6
-        extra = dict(hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True,
-                     embedding_multiplier=float(hidden_size) ** 0.5,
-                     attention_scale=(hidden_size / num_heads if big else head_dim) ** -0.5,
-                     sliding_window=window,
-                     layer_types=tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                                       for i in range(num_layers)))
-        if family == "gemma2":
-            extra |= dict(attn_logit_softcap=positive_or_none(meta("gemma2.attn_logit_softcapping", 50.0)),
-                          final_logit_softcap=positive_or_none(meta("gemma2.final_logit_softcapping", 30.0)))
-        else:
-            extra |= dict(qk_norm=True, local_rope_theta=10000.0)
-    elif family in ("qwen3", "qwen3_moe"):
-        extra = dict(qk_norm=True)
-    elif family == "phi3":
-        window = meta("phi3.attention.sliding_window", None)
-        extra = dict(sliding_window=int(window) if window else None)
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        extra |= dict(num_experts=expert_count, num_experts_per_tok=int(meta(f"{gguf_arch}.expert_used_count")),
-                      moe_intermediate_size=int(meta(f"{gguf_arch}.expert_feed_forward_length", None)
-                                                or meta(f"{gguf_arch}.feed_forward_length")),
-                      shared_expert_intermediate_size=int(meta(f"{gguf_arch}.expert_shared_feed_forward_length", 0)),
-                      norm_topk_prob=family != "qwen2_moe")
+    extra = family.gguf_fields(GgufMetadata(path, reader, gguf_arch, hidden_size, num_heads, head_dim, num_layers))
     ffn = meta(f"{gguf_arch}.feed_forward_length", None) or extra.get("moe_intermediate_size")
     try:
         return ModelArchConfig(
-            architecture=family,
+            architecture=architecture,
             vocab_size=int(vocab_size),
             hidden_size=int(hidden_size),
             intermediate_size=int(ffn),

@@ -1,48 +1,25 @@
 """A Hugging Face model directory as a `LoadedCheckpoint`: config.json (and
 generation_config.json) as a `ModelArchConfig` with the defaults transformers uses, the
 safetensors files (sharded or not) read lazily, and the directory's tokenizer. A directory
-`tokenmill quantize` wrote carries its config as it was and its quantized records as stored."""
+`tokenmill quantize` wrote carries its config as it was and its quantized records as stored.
+
+The family is the registry class whose `hf_model_types` holds the config's model_type; it gives
+the defaults and, through `hf_fields`, what it adds to Llama's fields (models/base.py)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenmill.models.loader.arch import HIDDEN_ACTIVATIONS, ROPE_TYPES, SUPPORTED_ARCHITECTURES, ModelArchConfig
+from tokenmill.models.loader.arch import HIDDEN_ACTIVATIONS, ROPE_TYPES, ModelArchConfig, model_classes
 from tokenmill.models.loader.checkpoint import (
     LoadedCheckpoint, ModelLoadError, check_tensor_shapes, positive_or_none, unique_ids,
 )
-
-# config.json model_type -> (family, the defaults transformers uses for keys a config omits).
-_LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-                   "tie_word_embeddings": False}
-_GEMMA_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
-                   "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
-_HF_MODEL_TYPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("llama", _LLAMA_DEFAULTS),
-    "mistral": ("mistral", _LLAMA_DEFAULTS | {"max_position_embeddings": 4096 * 32}),
-    "qwen2": ("qwen2", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768}),
-    "qwen3": ("qwen3", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768, "head_dim": 128}),
-    "phi3": ("phi3", _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}),
-    "gemma2": ("gemma2", _GEMMA_DEFAULTS | {"rope_theta": 10000.0, "max_position_embeddings": 8192,
-                                            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
-    "gemma3_text": ("gemma3", _GEMMA_DEFAULTS | {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
-                                                 "max_position_embeddings": 131072, "sliding_window_pattern": 6}),
-    "mixtral": ("mixtral", _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
-                                              "max_position_embeddings": 4096 * 32, "num_local_experts": 8,
-                                              "num_experts_per_tok": 2}),
-    "qwen2_moe": ("qwen2_moe", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768, "num_experts": 60,
-                                                  "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                                                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False}),
-    "qwen3_moe": ("qwen3_moe", _LLAMA_DEFAULTS | {"max_position_embeddings": 32768, "head_dim": 128, "num_experts": 128,
-                                                  "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                                                  "norm_topk_prob": False}),
-}
-assert {family for family, _ in _HF_MODEL_TYPES.values()} == set(SUPPORTED_ARCHITECTURES)
 
 # Buffers some checkpoints carry that are recomputed from the config.
 _HF_SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -109,40 +86,78 @@ def _read_json(path: Path, required: bool) -> dict | None:
     return data
 
 
-def _hf_config(directory: Path, raw: dict) -> ModelArchConfig:
-    source = directory / "config.json"
-    model_type = raw.get("model_type")
-    if model_type == "gemma3" and "text_config" in raw:
-        raise ModelLoadError(f"{source}: a multimodal Gemma 3 checkpoint (model_type 'gemma3' with a vision tower) "
-                             "is not supported; its text-only sizes (model_type 'gemma3_text') are")
-    if model_type not in _HF_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(_HF_MODEL_TYPES)}"
-        )
-    family, defaults = _HF_MODEL_TYPES[model_type]
+@dataclass(frozen=True)
+class HfConfig:
+    """A config.json as a family's `hf_fields` reads it: the config's values, else the family's
+    defaults (its `hf_model_types` entry)."""
 
-    def get(key: str) -> Any:
-        value = raw.get(key)
+    source: Path  # the config.json, for messages
+    raw: dict
+    defaults: dict[str, Any]
+
+    def get(self, key: str) -> Any:
+        """The value of `key`, its default where the config has none; ModelLoadError if neither."""
+        value = self.raw.get(key)
         if value is None:
-            value = defaults.get(key)
+            value = self.defaults.get(key)
         if value is None:
-            raise ModelLoadError(f"{source}: no {key!r}")
+            raise ModelLoadError(f"{self.source}: no {key!r}")
         return value
 
-    def optional(key: str) -> Any:
-        return raw[key] if key in raw else defaults.get(key)
+    def optional(self, key: str) -> Any:
+        """The config's `key` as written (None included), else its default or None."""
+        return self.raw[key] if key in self.raw else self.defaults.get(key)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.get("num_hidden_layers"))
+
+    def sliding_window(self, default_layer_types: Callable[[], list[str]] | None = None,
+                       used_only_with: str | None = None) -> dict[str, Any]:
+        """sliding_window and layer_types as transformers reads them. default_layer_types: the
+        family's layer pattern where the config lists none (None: every layer slides);
+        used_only_with: a key without which the config's window is not used (Qwen's
+        use_sliding_window)."""
+        window = self.optional("sliding_window")
+        if not window or used_only_with and not self.raw.get(used_only_with):
+            return {"sliding_window": None, "layer_types": None}
+        layer_types = self.raw.get("layer_types")
+        if layer_types is None and default_layer_types is not None:
+            layer_types = default_layer_types()
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return {"sliding_window": None, "layer_types": None}
+        return {"sliding_window": int(window), "layer_types": tuple(layer_types) if layer_types is not None else None}
+
+
+def _hf_family(source: Path, raw: dict) -> tuple[str, type, dict[str, Any]]:
+    """(architecture, family class, its defaults) of the config's model_type."""
+    model_type = raw.get("model_type")
+    classes = model_classes()
+    for architecture, family in classes.items():
+        if model_type in family.hf_model_types:
+            return architecture, family, family.hf_model_types[model_type]
+    for family in classes.values():
+        if model_type in family.hf_multimodal_model_types and "text_config" in raw:
+            raise ModelLoadError(f"{source}: {family.hf_multimodal_model_types[model_type]}")
+    supported = [name for family in classes.values() for name in family.hf_model_types]
+    raise ModelLoadError(f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(supported)}")
+
+
+def _hf_config(directory: Path, raw: dict) -> ModelArchConfig:
+    source = directory / "config.json"
+    architecture, family, defaults = _hf_family(source, raw)
+    hf = HfConfig(source, raw, defaults)
+    get, optional = hf.get, hf.optional
 
     hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or defaults.get("hidden_activation", "silu")
-    if hidden_act == "gelu" and family.startswith("gemma"):
-        hidden_act = "gelu_pytorch_tanh"  # what transformers runs for Gemma whatever the config says
+    hidden_act = family.hf_activation_aliases.get(hidden_act, hidden_act)
     if hidden_act not in HIDDEN_ACTIVATIONS:
         raise ModelLoadError(f"{source}: hidden_act {hidden_act!r} is not supported ({', '.join(HIDDEN_ACTIVATIONS)} are)")
     if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ModelLoadError(f"{source}: partial rotary (partial_rotary_factor {raw['partial_rotary_factor']}) "
                              "is not supported")
-    num_layers = int(get("num_hidden_layers"))
+    num_layers = hf.num_layers
     rope_theta, rope_scaling, local_theta = _hf_rope(source, raw, defaults)
-    window, layer_types = _hf_sliding_window(raw, family, num_layers, optional)
 
     num_heads = int(get("num_attention_heads"))
     hidden_size = int(get("hidden_size"))
@@ -151,10 +166,8 @@ def _hf_config(directory: Path, raw: dict) -> ModelArchConfig:
     eos_ids = []
     for eos in (raw.get("eos_token_id"), generation.get("eos_token_id")):
         eos_ids.extend(eos if isinstance(eos, list) else [eos])
-    gemma = family in ("gemma2", "gemma3")
     try:
-        return ModelArchConfig(
-            architecture=family,
+        fields = dict(
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden_size,
             intermediate_size=int(get("intermediate_size")),
@@ -167,24 +180,16 @@ def _hf_config(directory: Path, raw: dict) -> ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(get("max_position_embeddings")),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
-            # Qwen2 and Qwen2-MoE always have q/k/v biases; for Llama the flag also puts a bias on
-            # o_proj, which the shape check then reports as unsupported.
-            attention_bias=family in ("qwen2", "qwen2_moe") or bool(raw.get("attention_bias", False)),
+            # for Llama the flag also puts a bias on o_proj, which the shape check then reports as unsupported
+            attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id", generation.get("bos_token_id")),
             eos_token_ids=unique_ids(eos_ids),
             hidden_act=hidden_act,
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
-            norm_offset=1.0 if gemma else 0.0,
-            sandwich_norms=gemma,
-            embedding_multiplier=hidden_size**0.5 if gemma else 1.0,
-            attention_scale=float(get("query_pre_attn_scalar")) ** -0.5 if gemma else None,
             attn_logit_softcap=positive_or_none(optional("attn_logit_softcapping")),
             final_logit_softcap=positive_or_none(optional("final_logit_softcapping")),
-            sliding_window=window,
-            layer_types=layer_types,
             local_rope_theta=local_theta,
-            **_hf_moe(source, raw, family, get, optional),
         )
+        return ModelArchConfig(architecture=architecture, **(fields | family.hf_fields(hf)))
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc
 
@@ -231,44 +236,6 @@ def _hf_rope(source: Path, raw: dict, defaults: dict) -> tuple[float, dict | Non
     rope_scaling = rope if rope_type != "default" else None
     local = float(local_theta) if local_theta is not None and float(local_theta) != float(rope_theta) else None
     return float(rope_theta), rope_scaling, local
-
-
-def _hf_sliding_window(raw: dict, family: str, num_layers: int, optional: Callable[[str], Any]
-                       ) -> tuple[int | None, tuple[str, ...] | None]:
-    """(sliding_window, layer_types) as transformers reads them for the family."""
-    window = optional("sliding_window")
-    if not window or (family == "qwen2" or family.endswith("_moe")) and not raw.get("use_sliding_window"):
-        return None, None  # Qwen configs carry a window they do not use unless use_sliding_window
-    layer_types = raw.get("layer_types")
-    if layer_types is None and family == "gemma2":
-        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-    if layer_types is None and family == "gemma3":
-        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or optional("sliding_window_pattern"))
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if layer_types is None and family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
-        first_full = raw.get("max_window_layers", num_layers)  # the layers below it slide
-        layer_types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(num_layers)]
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None, None
-    return int(window), tuple(layer_types) if layer_types is not None else None
-
-
-def _hf_moe(source: Path, raw: dict, family: str, get: Callable[[str], Any], optional: Callable[[str], Any]) -> dict:
-    """The mixture-of-experts fields of ModelArchConfig ({} for a dense family)."""
-    if family == "mixtral":
-        return {"num_experts": int(get("num_local_experts")), "num_experts_per_tok": int(get("num_experts_per_tok")),
-                "moe_intermediate_size": int(get("intermediate_size")), "norm_topk_prob": True}
-    if family not in ("qwen2_moe", "qwen3_moe"):
-        return {}
-    if int(raw.get("decoder_sparse_step") or 1) != 1 or raw.get("mlp_only_layers"):
-        raise ModelLoadError(f"{source}: dense MLP layers between expert layers (decoder_sparse_step "
-                             f"{raw.get('decoder_sparse_step')}, mlp_only_layers {raw.get('mlp_only_layers')}) "
-                             "are not supported")
-    experts = raw.get("num_experts") or raw.get("num_local_experts") or get("num_experts")  # transformers 5 writes the latter
-    return {"num_experts": int(experts), "num_experts_per_tok": int(get("num_experts_per_tok")),
-            "moe_intermediate_size": int(get("moe_intermediate_size")),
-            "shared_expert_intermediate_size": int(optional("shared_expert_intermediate_size") or 0),
-            "norm_topk_prob": bool(optional("norm_topk_prob"))}
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
