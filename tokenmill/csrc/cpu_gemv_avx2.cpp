@@ -528,13 +528,10 @@ void int4_wide_tile(const QuantizedRows& xq, int64_t r0, const uint8_t* codes, F
       const __m512i raw = _mm512_loadu_si512(w + s * 64);
       const __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
       for (int r = 0; r < R; ++r) {
-        // x's 4 codes to every lane as a broadcast load (an embedded broadcast of vpdpbusd's
-        // operand), not through a scalar register
-        const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
-        const __m512i x_lo = _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(x4)));
-        const __m512i x_hi = _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(x4 + 1)));
-        part[r][0] = _mm512_dpbusd_epi32(part[r][0], lo, x_lo);
-        part[r][S - 1] = _mm512_dpbusd_epi32(part[r][S - 1], hi, x_hi);
+        // x's 4 codes to every lane by the multiply's own broadcast load
+        const int8_t* x8 = xr[r] + b * kBlock + 8 * s;
+        part[r][0] = dpbusd_broadcast(part[r][0], lo, x8);
+        part[r][S - 1] = dpbusd_broadcast(part[r][S - 1], hi, x8 + 4);
       }
     }
     __m512 scale, min;
@@ -711,10 +708,9 @@ void int6_tile_pair(const QuantizedRows& xq, int64_t r0, const uint8_t* low, con
                                          _mm512_and_si512(_mm512_slli_epi16(bits, 2), top));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const auto* x4 = reinterpret_cast<const float*>(xr[r] + b * kBlock + 8 * s);
-        isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], lo, _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(x4))));
-        isum[r][S - 1] =
-            _mm512_dpbusd_epi32(isum[r][S - 1], hi, _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(x4 + 1))));
+        const int8_t* x8 = xr[r] + b * kBlock + 8 * s;
+        isum[r][0] = dpbusd_broadcast(isum[r][0], lo, x8);
+        isum[r][S - 1] = dpbusd_broadcast(isum[r][S - 1], hi, x8 + 4);
       }
       if (s & 1) {  // the group's end: scale (d isum - 32 d csum)
         const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(first.next()), second.next(), 1);
