@@ -110,6 +110,22 @@ void with_rows_up_to_8(int64_t rows, const F& f) {
   }
 }
 
+// f(std::integral_constant<int, r>) for 1 <= rows <= 12 (12 for more).
+template <typename F>
+void with_rows_up_to_12(int64_t rows, const F& f) {
+  switch (rows) {
+    case 11: f(std::integral_constant<int, 11>{}); break;
+    case 10: f(std::integral_constant<int, 10>{}); break;
+    case 9: f(std::integral_constant<int, 9>{}); break;
+    default:
+      if (rows <= 8) {
+        with_rows_up_to_8(rows, f);
+      } else {
+        f(std::integral_constant<int, 12>{});
+      }
+  }
+}
+
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }

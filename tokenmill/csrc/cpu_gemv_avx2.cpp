@@ -741,7 +741,8 @@ void int6_tile_pair(const QuantizedRows& xq, int64_t r0, const uint8_t* low, con
 // more than it saved.
 template <int64_t RowsPerPass = kTileRows, int64_t PanelTiles = kPanelTiles, typename Tile>
 void over_tiles(int64_t tiles, int64_t M, const Tile& tile) {
-  static_assert(RowsPerPass == 4 || RowsPerPass == 8, "with_row_count or with_rows_up_to_8 dispatches the rows");
+  static_assert(RowsPerPass == 4 || RowsPerPass == 8 || RowsPerPass == 12,
+                "with_row_count, with_rows_up_to_8 or with_rows_up_to_12 dispatches the rows");
   const int64_t panels = (tiles + PanelTiles - 1) / PanelTiles;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);
   // A run [lo, hi) of panels, packed lo | hi << 32 so that its owner and a thief change it with
@@ -756,14 +757,27 @@ void over_tiles(int64_t tiles, int64_t M, const Tile& tile) {
   }
   const auto run_panel = [&](int64_t panel) {
     const int64_t t0 = panel * PanelTiles, t1 = std::min(tiles, t0 + PanelTiles);
-    for (int64_t r0 = 0; r0 < M; r0 += RowsPerPass) {
-      const auto pass = [&](auto r) {
-        for (int64_t t = t0; t < t1; ++t) tile(r, r0, t);
-      };
-      if constexpr (RowsPerPass == 8) {
-        with_rows_up_to_8(M - r0, pass);
-      } else {
-        with_row_count(M - r0, pass);
+    if constexpr (RowsPerPass > 4) {
+      // passes as even as they go: 16 rows as 8 + 8, not 12 + 4 (a pass of few rows keeps too
+      // few sums in flight to fill the multiply pipes)
+      const int64_t passes = (M + RowsPerPass - 1) / RowsPerPass;
+      for (int64_t i = 0, r0 = 0; i < passes; ++i) {
+        const int64_t rows = M / passes + (i < M % passes);
+        const auto pass = [&](auto r) {
+          for (int64_t t = t0; t < t1; ++t) tile(r, r0, t);
+        };
+        if constexpr (RowsPerPass == 12) {
+          with_rows_up_to_12(rows, pass);
+        } else {
+          with_rows_up_to_8(rows, pass);
+        }
+        r0 += rows;
+      }
+    } else {
+      for (int64_t r0 = 0; r0 < M; r0 += RowsPerPass) {
+        with_row_count(M - r0, [&](auto r) {
+          for (int64_t t = t0; t < t1; ++t) tile(r, r0, t);
+        });
       }
     }
   };
@@ -942,7 +956,7 @@ at::Tensor int4_wide_linear(const at::Tensor& x, const at::Tensor& packed, const
     if (pairs.scalar_type() == at::kByte) {
       const uint8_t* p = pairs.data_ptr<uint8_t>();
       const int64_t tile_bytes = K / 256 * kInt4FactorBytes;
-      over_tiles<8, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+      over_tiles<12, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
         int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes, WideFactors{p + t * tile_bytes}, out, N,
                                            t * kWideTile);
       });
@@ -950,7 +964,7 @@ at::Tensor int4_wide_linear(const at::Tensor& x, const at::Tensor& packed, const
     }
     const auto* p = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
     const int64_t groups = K / group_size, blocks_per_group = group_size / kBlock;
-    over_tiles<8, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+    over_tiles<12, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
       int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes,
                                          WidePairs{p + t * groups * 2 * kWideTile, blocks_per_group}, out, N,
                                          t * kWideTile);
