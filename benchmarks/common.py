@@ -338,7 +338,7 @@ def synthetic_model_dir(name: str, device: str = "cpu", directory: Path | None =
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tokenmill.models.loader import ModelArchConfig, expected_weight_shapes
+    from tokenmill.models.loader import arch_config_from_hf, expected_weight_shapes
 
     fields = SYNTHETIC_MODELS[name]
     vocab_size = fields["vocab_size"]
@@ -352,16 +352,7 @@ def synthetic_model_dir(name: str, device: str = "cpu", directory: Path | None =
     print(f"writing a random-weight {name} to {directory} ...", flush=True)
     directory.mkdir(parents=True, exist_ok=True)
     config_file.unlink(missing_ok=True)  # written last: a directory with it is complete
-
-    arch = ModelArchConfig(
-        architecture=fields["model_type"], vocab_size=vocab_size, hidden_size=fields["hidden_size"],
-        intermediate_size=fields["intermediate_size"], num_hidden_layers=fields["num_hidden_layers"],
-        num_attention_heads=fields["num_attention_heads"], num_key_value_heads=fields["num_key_value_heads"],
-        head_dim=fields["hidden_size"] // fields["num_attention_heads"], rms_norm_eps=fields["rms_norm_eps"],
-        rope_theta=fields["rope_theta"], rope_scaling=None, max_position_embeddings=fields["max_position_embeddings"],
-        tie_word_embeddings=fields["tie_word_embeddings"], attention_bias=fields["model_type"] == "qwen2",
-        bos_token_id=None, eos_token_ids=(vocab_size - 1,),
-    )
+    arch = arch_config_from_hf(directory, config)  # as the loader will read it (Qwen2's q/k/v biases included)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for tensor_name, shape in expected_weight_shapes(arch).items():

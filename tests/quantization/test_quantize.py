@@ -22,9 +22,11 @@ from tokenmill.models.loader import expected_weight_shapes
 from tokenmill.quantization.awq import awq_int4, clip_search_int4, output_error, refit_int4_groups
 from tokenmill.layers.linear import build_linear
 from tokenmill.models.loader import load_checkpoint
+from tokenmill.models.streaming import load_streaming
 from tokenmill.quantization.calibration import calibration_sequences, calibration_texts, collect_stats, quantize_sequentially
 from tokenmill.layers.quantization.formats import dequantize_record, quantize_rows_int8, record_from_rtn
 from tokenmill.quantization.gptq import gptq_int4
+from tokenmill.quantization.quantize import quant_config_from_checkpoint
 from tokenmill.quantization.smoothquant import smoothquant_w8a8
 
 PROMPTS = ["The GNU General Public License is", "def fibonacci(n):"]
@@ -99,6 +101,31 @@ def test_under_auto_the_lm_head_format_applies_to_a_gguf_files_head(default_mode
     with pytest.raises(ConfigError, match="loaded as stored") as e:
         LLM(str(tiny_qwen2_dir), quantization="auto", quantization_lm_head="int4", kv_cache_memory_gb=0.05)
     assert e.value.field == "quantization_lm_head"
+
+
+def test_a_quantized_checkpoint_missing_or_adding_tensors_is_refused_by_name(tiny_qwen2_dir, tmp_path):
+    """The streaming loader checks a quantized checkpoint's tensors whole before placing any."""
+    out = tmp_path / "q"
+    assert main(["quantize", str(tiny_qwen2_dir), "--method", "int4", "-o", str(out), "--no-report"]) == 0
+    checkpoint = load_checkpoint(out)
+    stored = dict(checkpoint.weights())
+
+    def load(tensors):
+        return load_streaming(checkpoint, lambda on: build_model(checkpoint, 64, torch.float32, device=on),
+                              torch.device("cpu"), torch.float32, quant_config_from_checkpoint(checkpoint.quantization),
+                              quantized=tensors)
+
+    assert type(load(stored).layers[0].self_attn.qkv_proj).__name__ == "Int4Linear"
+    for change, message in [
+        ({"norm.weight": None}, "quantized checkpoint is missing 'norm.weight'"),
+        ({"layers.0.self_attn.qkv_proj.bias": None}, "quantized checkpoint is missing 'layers.0.self_attn.qkv_proj.bias'"),
+        ({"norm.weight": torch.ones(3)}, r"quantized checkpoint tensor 'norm.weight' has shape \(3,\), expected \(64,\)"),
+        ({"layers.1.mlp.down_proj.codes": None}, "quantized checkpoint has no codes for linear layer 'layers.1.mlp.down_proj'"),
+        ({"layers.1.mlp.extra": torch.ones(1)}, r"quantized checkpoint has tensors with no place in the model: \['layers.1.mlp.extra'\]"),
+    ]:
+        tensors = {name: t for name, t in (stored | change).items() if t is not None}
+        with pytest.raises(ValueError, match=message):
+            load(tensors)
 
 
 def test_default_model_int4_checkpoint_round_trip(default_model_path, default_checkpoint, tmp_path):

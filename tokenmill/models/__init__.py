@@ -48,8 +48,8 @@ _check_registry()
 def build_model(checkpoint: LoadedCheckpoint, max_position: int, dtype: torch.dtype,
                 attention_backend: str = "torch", cpu_kernels=None, device: str = "cpu", parallel=None,
                 shard=None) -> CausalLM:
-    """The checkpoint's model class on the CPU with plain nn.Linear layers, weights not loaded
-    (`load_weights`, or `quantization.quantize.load_quantized_weights` for a quantized checkpoint),
+    """The checkpoint's model class on `device` with plain nn.Linear layers, weights not loaded
+    (`load_weights`; on the meta device, `models.streaming.load_streaming` fills it),
     attending with the backend named `attention_backend` (`layers.attention.make_backend`);
     `cpu_kernels` (the module of `layers.cpu_kernels.load()`, for a model that runs on the CPU)
     serves its norms and the torch backend's decode attention. parallel, shard: this rank's

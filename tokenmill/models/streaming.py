@@ -14,6 +14,11 @@ file's own codes (models/gguf_blocks.py) and are staged as such, row range by ro
 fused layer; such a token embedding stays int4 (layers/embedding.py: QuantizedEmbedding). A tied
 Q6_K embedding, where the kernels run int6, arrives as an int6 record: the head runs on the file's
 own codes and factors, and the embedding stays int6 too.
+
+A quantized checkpoint's tensors (written by `tokenmill quantize`, or computed at load for a
+calibrated method: quantization/quantize.py: quantized_tensors) come by the model's own names:
+each linear's record becomes the layer of its method as it is, every other tensor goes into its
+staging in the compute dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -43,34 +48,67 @@ EMBEDDING = "embed_tokens.weight"
 
 @torch.no_grad()
 def load_streaming(checkpoint: LoadedCheckpoint, build, device: torch.device, dtype: torch.dtype, qconfig=None,
-                   cpu_kernels=None, plan=None) -> nn.Module:
+                   cpu_kernels=None, plan=None, quantized: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """`build(device)` constructs the model there (models.build_model); its
     linears end quantized by round-to-nearest where `qconfig` (QuantConfig, algorithm "rtn")
     gives them a method, else DenseLinear in `dtype`; the model ends on `device`, in eval mode.
     With method AUTO each linear is what its GGUF tensors are stored as (`_stored_methods`):
     int4 records of the file's own codes where every tensor of the linear is Q4_0/Q4_1/Q4_K.
     plan: this rank's `distributed.ShardPlan` when the model is split over ranks: each checkpoint
-    tensor is renamed into the rank's model and cut to the rows or columns it holds as it arrives."""
+    tensor is renamed into the rank's model and cut to the rows or columns it holds as it arrives.
+    quantized: a quantized checkpoint's tensors, read in place of the checkpoint's weights
+    (`_quantized_stream`: the records of the linears `qconfig` gives a method, any algorithm, and
+    every other parameter by the model's own name); a model split over ranks takes none."""
     model = build("meta")
     local_name = (lambda name: name) if plan is None else plan.local_name
-    load = _StreamingLoad(model, checkpoint, local_name, device, dtype, qconfig, cpu_kernels)
-    for ckpt_name, tensor in checkpoint.weights(records=load.record_methods):
-        name = local_name(ckpt_name.removeprefix("model."))
-        if name is None:  # another pipeline stage's layer
-            continue
-        if plan is not None:
-            tensor = plan.local_part(name, tensor)
-        if isinstance(tensor, dict):  # a record
-            placed = _place_record(model, load.params, load.records, name, tensor, load.stacked)
-        else:
-            placed = load.place(ckpt_name, name, tensor)
-        del tensor  # (before a finished linear allocates its layer)
-        if placed is not None:
-            load.arrived(*placed)
+    load = _StreamingLoad(model, checkpoint, local_name, device, dtype, qconfig, cpu_kernels, quantized is not None)
+    if quantized is None:
+        load.read(checkpoint, local_name, plan)
+    else:
+        assert plan is None, "a quantized checkpoint loads whole"
+        for name, tensor in _quantized_stream(model, load.linears, quantized, load.method_of):
+            load.arrived(*load.place_stored(name, tensor))
     load.check_complete()
     load.finish_the_rest()
     _return_freed_memory()
     return model.eval()
+
+
+def _quantized_stream(model: nn.Module, linears: dict[str, nn.Module], tensors: Mapping[str, torch.Tensor],
+                      method_of) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
+    """A quantized checkpoint's `tensors` as load_streaming places them: each linear with a
+    method once, as its record (every `<linear>.<key>` but its bias) under
+    `<linear>.weight`; every other parameter (a bias, a dense linear's weight, a norm with any
+    offset in) whole, by the model's own name (quantization/quantize.py: quantized_tensors).
+    Checked whole before any is placed: ValueError naming a missing or mis-shaped tensor, a
+    linear with no codes, or tensors with no place in the model."""
+    records: dict[str, dict[str, torch.Tensor]] = {name: {} for name in linears if method_of(name) is not None}
+    for name, tensor in tensors.items():
+        linear, _, key = name.rpartition(".")
+        if linear in records and key != "bias":
+            records[linear][key] = tensor
+    dense = set()
+    for name, param in model.named_parameters():  # (a tied head's weight is the embedding's)
+        if name.endswith(".weight") and name.removesuffix(".weight") in records:
+            continue
+        if name not in tensors:
+            raise ValueError(f"quantized checkpoint is missing {name!r}")
+        if tensors[name].shape != param.shape:
+            raise ValueError(f"quantized checkpoint tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                             f"expected {tuple(param.shape)}")
+        dense.add(name)
+    for name, record in records.items():
+        if "codes" not in record:
+            raise ValueError(f"quantized checkpoint has no codes for linear layer {name!r}")
+    unexpected = sorted(set(tensors) - dense - {f"{name}.{key}" for name, record in records.items() for key in record})
+    if unexpected:
+        raise ValueError(f"quantized checkpoint has tensors with no place in the model: {unexpected[:8]}")
+    # The records first: a tied head's is in place before the embedding, whose arrival finishes the head.
+    for linear, record in records.items():
+        yield f"{linear}.weight", record
+    for name, tensor in tensors.items():
+        if name in dense:
+            yield name, tensor
 
 
 class _StreamingLoad:
@@ -79,20 +117,24 @@ class _StreamingLoad:
     lacks. A linear becomes its final layer as soon as all of its tensors are in (`arrived`)."""
 
     def __init__(self, model: nn.Module, checkpoint: LoadedCheckpoint, local_name, device: torch.device,
-                 dtype: torch.dtype, qconfig, cpu_kernels):
+                 dtype: torch.dtype, qconfig, cpu_kernels, stored: bool = False):
         self.model, self.device, self.dtype, self.qconfig, self.cpu_kernels = model, device, dtype, qconfig, cpu_kernels
         self.linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.tied = model.config.tie_word_embeddings
-        self.method_of, self.from_records = _linear_methods(model, self.params, checkpoint, self.linears, local_name,
-                                                            device, qconfig, cpu_kernels)
+        if stored:  # a quantized checkpoint's tensors (_quantized_stream): each linear with a method as its record
+            self.method_of = qconfig.method_of
+            self.from_records = {name for name in self.linears if qconfig.method_of(name) is not None}
+        else:
+            self.method_of, self.from_records = _linear_methods(model, self.params, checkpoint, self.linears,
+                                                                local_name, device, qconfig, cpu_kernels)
         self.stacked = {name for name in self.linears if self.method_of(name) == STACKED}
         self.owner = {f"{name}.{kind}": name for name in self.linears for kind in ("weight", "bias")}
         self.staging = self._declare_staging()
         # The record of each linear in from_records, filled shard by shard; "embed_tokens": the embedding's, when it
         # stays quantized (QuantizedEmbedding: an int4 record of a repacked type, or a tied head's int6 one).
         self.records: dict[str, dict[str, torch.Tensor]] = {}
-        self.record_methods = self._record_methods(checkpoint, local_name)
+        self.record_methods = {} if stored else self._record_methods(checkpoint, local_name)
         self.expected = {name: model._expected_shards(name, p) for name, p in self.params.items()}
         self.loaded: dict[str, set] = {}
         self.pending = {name: [f"{name}.weight"] + ([f"{name}.bias"] if linear.bias is not None else [])
@@ -129,6 +171,22 @@ class _StreamingLoad:
             methods[f"model.{EMBEDDING}"] = "int6"
         return methods
 
+    def read(self, checkpoint: LoadedCheckpoint, local_name, plan) -> None:
+        """Place the checkpoint's tensors as they stream in (see load_streaming)."""
+        for ckpt_name, tensor in checkpoint.weights(records=self.record_methods):
+            name = local_name(ckpt_name.removeprefix("model."))
+            if name is None:  # another pipeline stage's layer
+                continue
+            if plan is not None:
+                tensor = plan.local_part(name, tensor)
+            if isinstance(tensor, dict):  # a record
+                placed = _place_record(self.model, self.params, self.records, name, tensor, self.stacked)
+            else:
+                placed = self.place(ckpt_name, name, tensor)
+            del tensor  # (before a finished linear allocates its layer)
+            if placed is not None:
+                self.arrived(*placed)
+
     def place(self, ckpt_name: str, name: str, tensor: torch.Tensor) -> tuple[str, object] | None:
         """Copy a checkpoint tensor into its staging: (our parameter, its shard key), or None for
         a tensor to skip."""
@@ -148,6 +206,16 @@ class _StreamingLoad:
         if self.model.config.norm_offset and ours.endswith("norm.weight"):
             target.add_(self.model.config.norm_offset)
         return ours, shard
+
+    def place_stored(self, name: str, tensor: torch.Tensor | dict[str, torch.Tensor]) -> tuple[str, object]:
+        """Put a quantized checkpoint's tensor in place (`_quantized_stream`: a linear's record
+        under `<linear>.weight`, else a whole parameter by its own name, copied into its
+        staging as it is); returns (our parameter, its shard key: whole)."""
+        if isinstance(tensor, dict):
+            self.records[name.removesuffix(".weight")] = tensor
+        else:
+            self.staging[name].copy_(tensor)
+        return name, "all"
 
     def arrived(self, ours: str, shard) -> None:
         """Shard `shard` of parameter `ours` is in place: its linear is finished once every
@@ -185,7 +253,10 @@ class _StreamingLoad:
         if method is not None:
             record = {k: v.to(self.device) for k, v in _rtn_by_rows(method, weight, self.qconfig.group_size).items()}
             return build_linear(method, record, bias, self.cpu_kernels)
-        return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias, self.cpu_kernels)
+        weight = weight.to(device=self.device, dtype=self.dtype)
+        if self.tied and name == LM_HEAD:  # the embedding becomes this same tensor (finish_the_rest): one copy
+            self.staging.replace(EMBEDDING, weight)
+        return DenseLinear(weight, bias, self.cpu_kernels)
 
     def check_complete(self) -> None:
         missing = sorted(n for n in self.expected if not self._complete(n))

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.layers.linear import DenseLinear, build_linear
+from tokenmill.layers.linear import build_linear
 from tokenmill.layers.quantization.formats import AUTO, LM_HEAD, ROUTER_SUFFIXES, record_from_rtn
 from tokenmill.quantization import calibration
 
@@ -157,10 +157,10 @@ def quantize_checkpoint(checkpoint, qconfig: QuantConfig, directory: Path, save_
 
 def quantized_tensors(checkpoint, qconfig: QuantConfig, device: torch.device, dense_dtype: torch.dtype,
                       exclude_gsm8k: set[int] = frozenset()) -> dict[str, torch.Tensor]:
-    """A quantized checkpoint's tensors by name (what `load_quantized_weights` reads), on the CPU:
-    the linears' records and biases, everything else in `dense_dtype`. Quantized from the fp32
-    weights, calibrated on `device` with PyTorch's ops only (no compiled kernels), so the records
-    are the same wherever and however the model later runs."""
+    """A quantized checkpoint's tensors by name (what `models.streaming.load_streaming` reads as
+    `quantized`), on the CPU: the linears' records and biases, everything else in `dense_dtype`.
+    Quantized from the fp32 weights, calibrated on `device` with PyTorch's ops only (no compiled
+    kernels), so the records are the same wherever and however the model later runs."""
     from tokenmill.models import build_model
 
     model = build_model(checkpoint, qconfig.calibration_seq_len, torch.float32)
@@ -201,9 +201,13 @@ def save_quantized(directory: Path, tensors: dict[str, torch.Tensor], qconfig: Q
 
 
 def _hf_config_dict(arch) -> dict:
+    from tokenmill.models import MODEL_CLASSES
+
+    family = MODEL_CLASSES[arch.architecture]
     return {
-        "model_type": arch.architecture,
-        "architectures": ["Qwen2ForCausalLM" if arch.architecture == "qwen2" else "LlamaForCausalLM"],
+        # the family's config.json model_type, and its class, named as transformers names it
+        "model_type": next(iter(family.hf_model_types)),
+        "architectures": [family.__name__],
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size,
@@ -229,46 +233,3 @@ def quant_config_from_checkpoint(raw: dict) -> QuantConfig:
     fields = {f.name for f in dataclasses.fields(QuantConfig)}
     return QuantConfig(**{k: v for k, v in raw.items() if k in fields})
 
-
-@torch.no_grad()
-def load_quantized_weights(model: nn.Module, tensors: dict[str, torch.Tensor], qconfig: QuantConfig,
-                           device: torch.device, dtype: torch.dtype, cpu_kernels=None) -> None:
-    """Fill `model` (built on the CPU, plain nn.Linear layers) from a quantized checkpoint's
-    tensors and swap in the quantized layers; the model ends on `device` in `dtype`.
-    Raises ValueError naming any missing or unexpected tensor. `cpu_kernels`: see build_linear."""
-    used: set[str] = set()
-    linears = linear_names(model)
-    linear_params = {f"{n}.{p}" for n in linears for p in ("weight", "bias")}
-    for name, param in model.named_parameters():
-        if name in linear_params:
-            continue
-        if name not in tensors:
-            raise ValueError(f"quantized checkpoint is missing {name!r}")
-        if tensors[name].shape != param.shape:
-            raise ValueError(f"quantized checkpoint tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}")
-        param.copy_(tensors[name])
-        used.add(name)
-    model.to(device=device, dtype=dtype)
-    for name in linears:
-        linear = model.get_submodule(name)
-        method = qconfig.method_of(name)
-        bias = tensors.get(f"{name}.bias")
-        if bias is not None:
-            used.add(f"{name}.bias")
-            bias = bias.to(device=device, dtype=dtype)
-        if method is None:
-            weight = linear.weight  # tied to the embedding, or stored dense
-            if f"{name}.weight" in tensors:
-                weight = tensors[f"{name}.weight"].to(device=device, dtype=dtype)
-                used.add(f"{name}.weight")
-            _replace(model, name, DenseLinear(weight.detach(), bias, cpu_kernels))
-            continue
-        prefix = f"{name}."
-        record = {k[len(prefix):]: v.to(device) for k, v in tensors.items() if k.startswith(prefix) and k != f"{name}.bias"}
-        if "codes" not in record:
-            raise ValueError(f"quantized checkpoint has no codes for linear layer {name!r}")
-        used.update(prefix + k for k in record)
-        _replace(model, name, build_linear(method, record, bias, cpu_kernels))
-    unexpected = sorted(set(tensors) - used)
-    if unexpected:
-        raise ValueError(f"quantized checkpoint has tensors with no place in the model: {unexpected[:8]}")

@@ -103,13 +103,15 @@ def load_dense_model(source: Path, dtype: torch.dtype, max_position: int):
     from tokenmill.models.loader import load_checkpoint
 
     checkpoint = load_checkpoint(source)
-    model = build_model(checkpoint, max_position, dtype)
     if checkpoint.quantization is not None:
-        from tokenmill.quantization.quantize import load_quantized_weights, quant_config_from_checkpoint
+        from tokenmill.models.streaming import load_streaming
+        from tokenmill.quantization.quantize import quant_config_from_checkpoint
 
-        load_quantized_weights(model, dict(checkpoint.weights()), quant_config_from_checkpoint(checkpoint.quantization),
-                               torch.device("cpu"), dtype, None)
+        qconfig = quant_config_from_checkpoint(checkpoint.quantization)
+        model = load_streaming(checkpoint, lambda on: build_model(checkpoint, max_position, dtype, device=on),
+                               torch.device("cpu"), dtype, qconfig, quantized=dict(checkpoint.weights()))
     else:
+        model = build_model(checkpoint, max_position, dtype)
         model.load_weights(checkpoint.weights())
     return checkpoint, model.to(dtype=dtype).eval()
 

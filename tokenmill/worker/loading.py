@@ -1,7 +1,8 @@
 """Loading the model runner's models: the target's or a draft model's weights (streamed onto the
-device, or built whole and given quantized weights), the draft model's checkpoint (checked
-against the target's vocabulary and context), and activation sparsity's thresholds file (read,
-and checked against the checkpoint, before the weights load).
+device: as the checkpoint stores them, quantized by round-to-nearest on the way, or the
+records of a quantized checkpoint or of a calibrated method computed here), the draft model's
+checkpoint (checked against the target's vocabulary and context), and activation sparsity's
+thresholds file (read, and checked against the checkpoint, before the weights load).
 
 What is done with the loaded models (activation sparsity enabled on the target, the weights
 gathered on a CPU, the compiled decoder) is the runner's start-up.
@@ -17,15 +18,15 @@ from tokenmill.models import build_model
 from tokenmill.models.loader import LoadedCheckpoint, load_checkpoint
 from tokenmill.models.registry import resolve_model
 from tokenmill.models.streaming import load_streaming
-from tokenmill.quantization.quantize import QuantConfig, load_quantized_weights, quant_config_from_checkpoint, quantized_tensors
+from tokenmill.quantization.quantize import QuantConfig, quant_config_from_checkpoint, quantized_tensors
 
 
 def load_model(checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len: int, device: torch.device,
                dtype: torch.dtype, attention_backend: str, cpu_kernels, parallel: ParallelGroup | None,
                shard: ShardPlan | None):
-    """The checkpoint's model on `device`, in eval mode: streamed tensor by tensor (unquantized,
-    or quantized round-to-nearest on the way), else built on the CPU and given the quantized
-    weights of a checkpoint `tokenmill quantize` wrote, or of a calibrated method computed here."""
+    """The checkpoint's model on `device`, in eval mode, streamed tensor by tensor (models/streaming.py):
+    unquantized, or quantized round-to-nearest on the way; or from the quantized tensors of a
+    checkpoint `tokenmill quantize` wrote, or of a calibrated method computed here."""
     qconfig = QuantConfig.from_engine(config, checkpoint)
 
     def build(on: str = "cpu"):
@@ -33,8 +34,8 @@ def load_model(checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len
 
     if checkpoint.quantization is None and (qconfig is None or qconfig.algorithm == "rtn"):
         return load_streaming(checkpoint, build, device, dtype, qconfig, cpu_kernels, shard)
-    assert parallel is None, "a model split over ranks loads through load_streaming"
-    model = build()
+    # (refused before any rank starts: executor/multiproc.py, EngineConfig's quantization_algorithm)
+    assert parallel is None, "a model split over ranks loads dense, GGUF or round-to-nearest weights"
     if checkpoint.quantization is not None:  # written by `tokenmill quantize`
         if qconfig is not None:
             raise ConfigError("quantization", f"{checkpoint.source} is already quantized "
@@ -44,8 +45,7 @@ def load_model(checkpoint: LoadedCheckpoint, config: EngineConfig, max_model_len
         # Exactly the tensors `tokenmill quantize` writes (quantized from the fp32 weights,
         # calibrated in fp32 with PyTorch's ops), then loaded as a saved checkpoint is.
         tensors = quantized_tensors(checkpoint, qconfig, device, torch.float32)
-    load_quantized_weights(model, tensors, qconfig, device, dtype, cpu_kernels)
-    return model.eval()
+    return load_streaming(checkpoint, build, device, dtype, qconfig, cpu_kernels, quantized=tensors)
 
 
 def draft_checkpoint(config: EngineConfig, target: LoadedCheckpoint, max_model_len: int) -> LoadedCheckpoint:

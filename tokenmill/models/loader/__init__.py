@@ -26,11 +26,12 @@ from tokenmill.models.loader.arch import (
 )
 from tokenmill.models.loader.checkpoint import LoadedCheckpoint, ModelLoadError
 from tokenmill.models.loader.gguf_loader import load_gguf
-from tokenmill.models.loader.hf_loader import arch_config_from_dict, load_hf_dir
+from tokenmill.models.loader.hf_loader import arch_config_from_dict, arch_config_from_hf, load_hf_dir
 
 __all__ = [
     "HIDDEN_ACTIVATIONS", "LAYER_TYPES", "ROPE_TYPES", "LoadedCheckpoint", "ModelArchConfig", "ModelLoadError",
-    "arch_config_from_dict", "expected_weight_shapes", "load_checkpoint", "supported_architectures",
+    "arch_config_from_dict", "arch_config_from_hf", "expected_weight_shapes", "load_checkpoint",
+    "supported_architectures",
 ]
 
 

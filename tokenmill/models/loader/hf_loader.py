@@ -30,7 +30,7 @@ def load_hf_dir(directory: Path) -> LoadedCheckpoint:
     if isinstance(raw.get("tokenmill_arch"), dict):  # written by `tokenmill quantize`: the config as it was
         config = arch_config_from_dict(directory / "config.json", raw["tokenmill_arch"])
     else:
-        config = _hf_config(directory, raw)
+        config = arch_config_from_hf(directory, raw)
     quantization = raw.get("quantization_config")
     if quantization is not None and quantization.get("quant_method") != "tokenmill":
         raise ModelLoadError(f"{directory}: quantization_config {quantization.get('quant_method')!r} is not supported "
@@ -143,7 +143,9 @@ def _hf_family(source: Path, raw: dict) -> tuple[str, type, dict[str, Any]]:
     raise ModelLoadError(f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(supported)}")
 
 
-def _hf_config(directory: Path, raw: dict) -> ModelArchConfig:
+def arch_config_from_hf(directory: Path, raw: dict) -> ModelArchConfig:
+    """The ModelArchConfig of config.json `raw` in `directory` (with its generation_config.json,
+    if any): its family's (`_hf_family`) defaults and fields, read as transformers reads them."""
     source = directory / "config.json"
     architecture, family, defaults = _hf_family(source, raw)
     hf = HfConfig(source, raw, defaults)
