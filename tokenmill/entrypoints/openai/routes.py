@@ -16,7 +16,6 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    check_request,
 )
 from tokenmill.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing
 from tokenmill.entrypoints.openai.state import ServerState
@@ -36,9 +35,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _generate(state: ServerState, request: Request, handler, body):
     """Run `handler(serving, body, is_disconnected)` behind the guards: a JSON answer, or SSE."""
-    state.check_auth(request)
-    check_request(body)
-    s = state.ready_serving()
+    s = state.admit(request, body)
     state.check_capacity()
     try:
         result = await handler(s, body, lambda: _disconnected(request))
@@ -69,10 +66,7 @@ def add_model_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
-        state.check_auth(request)
-        check_request(body)
-        s = state.ready_serving()
-        s.check_model(body.model)
+        s = state.admit(request, body, model=True)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         engine = s.engine
@@ -87,10 +81,7 @@ def add_model_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
-        state.check_auth(request)
-        check_request(body)
-        s = state.ready_serving()
-        s.check_model(body.model)
+        s = state.admit(request, body, model=True)
         vocab = s.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

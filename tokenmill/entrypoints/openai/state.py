@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.args import ServerConfig
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.protocol import check_request
 from tokenmill.entrypoints.openai.serving import APIError, OpenAIServing
 from tokenmill.entrypoints.openai.stats_stream import StatsStream
 from tokenmill.entrypoints.openai.templates import read_template
@@ -35,6 +36,17 @@ class ServerState:
         self.serving: OpenAIServing | None = None  # set once the model has loaded
         self.draining = False
         self.started = time.time()
+
+    def admit(self, request: Request, body, model: bool = False) -> OpenAIServing:
+        """The serving layer for a request on the model, past the guards every such endpoint
+        shares: the API key (401), the body's fields (400), the server's state (503), and with
+        `model` the model it names (404)."""
+        self.check_auth(request)
+        check_request(body)
+        serving = self.ready_serving()
+        if model:
+            serving.check_model(body.model)
+        return serving
 
     def ready_serving(self) -> OpenAIServing:
         """The serving layer; a 503 `APIError` while draining, while the model loads (with
