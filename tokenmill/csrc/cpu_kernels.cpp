@@ -20,6 +20,8 @@
 //   the store of the rotated keys and the values into the paged KV cache: one call for what
 //   takes ~15 PyTorch ops. Rounds as the PyTorch ops do (each product, then the sum, to the
 //   dtype), so in bf16 its output is bit-identical to theirs.
+// Longer than 600 lines on purpose: decode attention's dtypes and cache formats, norms and
+// rotary embedding share the vector helpers and the work split over threads defined here.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 

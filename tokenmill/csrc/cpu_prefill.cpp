@@ -28,6 +28,8 @@
 // bf16 pair of q broadcast against 16 keys (exact products, fp32 sums); P rounded to bf16 pairs
 // (as PyTorch's CPU flash attention and FlashAttention do), P V by vdpbf16ps; tiles of up to 6
 // rows (3 at head size 128).
+// Longer than 600 lines on purpose: the bf16, fp32 and int8-cache variants of the prefill
+// kernel share its tiling, packing and online softmax, written once over a Kernel policy.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
