@@ -535,9 +535,9 @@ def q6_k_record(codes: torch.Tensor, g: torch.Generator) -> dict:
 @pytest.mark.parametrize("rows", [1, 3, 6, 64])
 def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
     """A Q4_K record runs on its factors (scale d sc, min m mn) in place of bf16 scales and mins:
-    the products of the exact fp32 scales, where the bf16 pairs' are off by their rounding. The
-    factors in 6 bits at every level (the file's 4.5 bits a weight), per tile of 8 output
-    channels (avx512_bf16's tiles of 16 read two). x fp32 here, so y is not rounded to bf16."""
+    the products of the exact fp32 scales, where the bf16 pairs' are off by their rounding. At
+    width 8 (avx2 to avx512_vnni) the factors in 6 bits (the file's 4.5 bits a weight); at
+    avx512_bf16 (tiles of 16) a byte each (4.625 bits). x fp32 here, so y is not rounded to bf16."""
     from tokenmill.layers.linear import Int4Linear
 
     g = torch.Generator().manual_seed(rows)
@@ -549,8 +549,9 @@ def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
     assert torch.equal(layer(x), got)
     assert layer.kernel_pairs.dtype == torch.uint8
     # bits a weight beside its 4-bit code (the bf16 pairs: 1)
-    assert layer.kernel_pairs.shape == (6, 3, 128)
-    assert layer.kernel_pairs.numel() * 8 / (48 * 768) == 0.5 and pairs.kernel_pairs.numel() * 16 / (48 * 768) == 1
+    bits = 0.625 if level.native_bf16() else 0.5
+    assert layer.kernel_pairs.shape == ((3, 3, 320) if level.native_bf16() else (6, 3, 128))
+    assert layer.kernel_pairs.numel() * 8 / (48 * 768) == bits and pairs.kernel_pairs.numel() * 16 / (48 * 768) == 1
     expected = (int8_blocks(x).double() @ ((codes - 8) * scales).double().t()
                 + x.double() @ (mins + 8 * scales).double().t())
     exact_error = (got.double() - expected).abs().max().item()
@@ -561,17 +562,25 @@ def test_int4_linear_reads_a_q4_k_records_own_factors(level, rows):
 
 
 def test_int4_factors_beyond_6_bits_keep_the_bf16_pairs(level):
-    """The super-block table holds 6-bit factors: a record with a wider one (not from a Q4_K
-    file) runs on bf16 pairs at every level, with the same results as without its factors."""
+    """The avx2 super-block table holds 6-bit factors: a record with a wider one (not from a Q4_K
+    file) runs on bf16 pairs there, with the same results as without its factors. The
+    avx512_bf16 table holds a byte a factor, and takes it."""
     from tokenmill.layers.linear import Int4Linear
 
     g = torch.Generator().manual_seed(0)
-    record = random_q4_k_record(16, 256, g)[1]
+    codes, record, scales, mins = random_q4_k_record(16, 256, g)
     record["factors"][3, 5, 1] = 64
     record["mins"][3, 5] = record["super_factors"][3, 0, 1].float() * 64
     layer = Int4Linear(record, None, level)
     pairs = Int4Linear({k: record[k] for k in ("codes", "scales", "mins")}, None, level)
     x = torch.randn(2, 256, generator=g)
+    if level.native_bf16():
+        assert layer.kernel_pairs.dtype == torch.uint8
+        mins = record["mins"].repeat_interleave(32, 1)
+        expected = (int8_blocks(x).double() @ ((codes - 8) * scales).double().t()
+                    + x.double() @ (mins + 8 * scales).double().t())
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-6)
+        return
     assert layer.kernel_pairs.dtype == torch.bfloat16
     assert torch.equal(layer(x), pairs(x))
 

@@ -426,8 +426,9 @@ at::Tensor as_kernel_dtype(const at::Tensor& x) {
 // int4_linear's weight in the level's tiles of `width` output channels (layers/linear.py
 // tiled_int4_layout): AVX-512 BF16 width 16 (the layout above), AVX2 width 8
 // (cpu_gemv_avx2.cpp); packed [N/width, K width/64, 32] uint8, pairs [N/width, K/group_size,
-// 2 width] bf16, or a Q4_K tensor's factors (group_size 32) in super-blocks of tiles of 8 at
-// every width (tiled_int4_super_blocks: uint8 [N/8, K/256, 128]). Returns N.
+// 2 width] bf16, or a Q4_K tensor's factors (group_size 32): at width 8 its super-blocks
+// (tiled_int4_super_blocks: uint8 [N/8, K/256, 128]), at width 16 tiled_int4_factors' table
+// (uint8 [N/16, K/256, kInt4FactorBytes]). Returns N.
 int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size) {
   TORCH_CHECK(K % 64 == 0 && (group_size == 32 || group_size % 64 == 0) && K % group_size == 0,
               "K must be a multiple of 64, group_size 32 or a multiple of 64 dividing K");
@@ -435,10 +436,18 @@ int64_t check_int4_weight(int64_t K, const at::Tensor& packed, const at::Tensor&
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == K * width / 64 &&
                   packed.size(2) == 32,
               "packed: uint8 [N/", width, ", K/", 64 / width, ", 32]");
+  if (pairs.scalar_type() == at::kByte && width == 16) {
+    TORCH_CHECK(group_size == 32 && K % 256 == 0 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&
+                    pairs.size(1) == K / 256 && pairs.size(2) == tokenmill::avx2::kInt4FactorBytes,
+                "factors: uint8 [N/16, K/256, ", tokenmill::avx2::kInt4FactorBytes, "] at width 16 (AVX-512 BF16), group_size 32");
+    return packed.size(0) * width;
+  }
   if (pairs.scalar_type() == at::kByte) {
-    TORCH_CHECK(group_size == 32 && K % 256 == 0 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) * width / 8 &&
-                    pairs.size(1) == K / 256 && pairs.size(2) == tokenmill::avx2::kQ4kSuperBlockBytes,
-                "super-blocks: uint8 [N/8, K/256, ", tokenmill::avx2::kQ4kSuperBlockBytes, "], group_size 32");
+    TORCH_CHECK(width == 8 && group_size == 32 && K % 256 == 0 && pairs.dim() == 3 &&
+                    pairs.size(0) == packed.size(0) && pairs.size(1) == K / 256 &&
+                    pairs.size(2) == tokenmill::avx2::kQ4kSuperBlockBytes,
+                "super-blocks: uint8 [N/8, K/256, ", tokenmill::avx2::kQ4kSuperBlockBytes,
+                "] at width 8 (AVX2 and AVX-512 without BF16), group_size 32");
     return packed.size(0) * width;
   }
   TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(0) == packed.size(0) &&

@@ -478,18 +478,28 @@ struct WidePairs {
   }
 };
 
-// A Q4_K tensor's factors at width 16 from SuperBlocks' table at width 8 (layers/quantization/
-// cpu_layouts.py tiled_int4_super_blocks): a tile of 16 channels is two of its tiles of 8 side by
-// side, each unpacking its super-blocks' 6-bit factors (the file's 4.5 bits a weight with the
-// codes); scale = d sc, min = m mn per channel, the same fp32 values as at width 8.
-struct WideSuperBlocks {
-  SuperBlocks first, second;  // the tile's channels 0-7 and 8-15
+// A Q4_K tensor's factors at width 16 (layers/quantization/cpu_layouts.py tiled_int4_factors; kInt4FactorBytes
+// per tile and super-block): the 16 channels' fp16 d and m, then per block their scale factors
+// and min factors a byte each; scale = d sc, min = m mn, as SuperBlocks gives them.
+struct WideFactors {
+  const uint8_t* p;
+  int64_t block = 0;
+  __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
   void next(__m512& scale, __m512& min) {
-    __m256 s0, m0, s1, m1;
-    first.next(s0, m0);
-    second.next(s1, m1);
-    scale = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
-    min = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
+    if (block == 0) {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    }
+    const uint8_t* f = p + 64 + block * 2 * kWideTile;
+    const auto widen = [](const uint8_t* q) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    };
+    scale = _mm512_mul_ps(d, widen(f));
+    min = _mm512_mul_ps(m, widen(f + kWideTile));
+    if (++block == 8) {  // the blocks of 32 of a super-block of 256
+      block = 0;
+      p += kInt4FactorBytes;
+    }
   }
 };
 
@@ -948,10 +958,10 @@ at::Tensor int4_wide_linear(const at::Tensor& x, const at::Tensor& packed, const
     // 4 tiles a panel: the 64 output channels of int4_linear's panels of 8 tiles of 8
     if (pairs.scalar_type() == at::kByte) {
       const uint8_t* p = pairs.data_ptr<uint8_t>();
-      const int64_t tile_bytes = K / 256 * SuperBlocks::kBytes;  // a tile of 8's
+      const int64_t tile_bytes = K / 256 * kInt4FactorBytes;
       over_tiles<12, 4>(tiles, M, [&](auto r, int64_t r0, int64_t t) {
-        const WideSuperBlocks factors{SuperBlocks{p + 2 * t * tile_bytes}, SuperBlocks{p + (2 * t + 1) * tile_bytes}};
-        int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes, factors, out, N, t * kWideTile);
+        int4_wide_tile<decltype(r)::value>(xq, r0, w + t * tile_codes, WideFactors{p + t * tile_bytes}, out, N,
+                                           t * kWideTile);
       });
       return;
     }

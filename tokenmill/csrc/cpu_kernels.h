@@ -57,6 +57,10 @@ namespace tokenmill::avx2 {
 // factors.
 constexpr int64_t kQ4kSuperBlockBytes = 32 + 64 + 32;
 constexpr int64_t kQ6kSuperBlockBytes = 16 + 16 * 8;
+// At AVX-512 BF16 a Q4_K tensor's factors per tile of 16 output channels and super-block
+// (layers/quantization/cpu_layouts.py tiled_int4_factors): the 16 channels' fp16 d and m, then per block of 32
+// their 16 scale factors and 16 min factors, a byte each (4.625 bits a weight with the codes).
+constexpr int64_t kInt4FactorBytes = 64 + 8 * 32;
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t group_size);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

@@ -45,7 +45,7 @@ from torch import nn
 from tokenmill.config import QUANTIZATION_METHODS
 from tokenmill.cpu_isa import host_isa, onednn_bf16, onednn_int8_exact
 from tokenmill.layers.quantization.cpu_layouts import (
-    PACK_ROWS, int8_tiles_fit, tile_width, tiled_int4_layout, tiled_int4_pairs,
+    PACK_ROWS, int8_tiles_fit, tile_width, tiled_int4_factors, tiled_int4_layout, tiled_int4_pairs,
     tiled_int4_super_blocks, tiled_int6_layout, tiled_int6_super_blocks, tiled_int8_layout,
 )
 from tokenmill.layers.quantization.formats import FP8_MAX, dequantize_int4, dequantize_int6, quantize_rows_int8, unpack_int4
@@ -318,9 +318,9 @@ class Int4Linear(QuantizedLinear):
     integers (csrc/cpu_gemv_avx2.cpp), over tiles of 16 output channels at avx512_bf16
     (`vpdpbusd` on 512 bits) and of 8 at avx2 to avx512_vnni (`tiled_int4_layout`): both give
     the same fp32 sums, bit for bit. A GGUF Q4_K tensor's record brings its own factors, which
-    the kernels read in place of bf16 scales and mins, exact, in 6 bits at every level
-    (`tiled_int4_super_blocks`, per tile of 8 output channels: the file's 4.5 bits a weight
-    against the pairs' 5; a tile of 16 reads two).
+    the kernels read in place of bf16 scales and mins, exact: at avx2 to avx512_vnni in 6 bits
+    (`tiled_int4_super_blocks`: the file's 4.5 bits a weight against 5), at avx512_bf16 a byte
+    each (`tiled_int4_factors`: 4.625 bits).
 
     On CUDA the kernel is `cuda_int4_kernel`'s by row count and `cuda_rows`: PyTorch's tinygemm
     (`_weight_int4pack_mm`) for few rows where the shape fits it (group size 32-256,
@@ -376,7 +376,8 @@ class Int4Linear(QuantizedLinear):
             self.kernel_codes = tiled_int4_layout(record["codes"], width)
             self.kernel_pairs = None
             if "super_factors" in record and self.group_size == 32 and self.in_features % 256 == 0:
-                self.kernel_pairs = tiled_int4_super_blocks(record["factors"], record["super_factors"])
+                self.kernel_pairs = (tiled_int4_super_blocks(record["factors"], record["super_factors"]) if width == 8
+                                     else tiled_int4_factors(record["factors"], record["super_factors"]))
             if self.kernel_pairs is None:
                 self.kernel_pairs = tiled_int4_pairs(scales, mins, width)
             # The kernels take every row count: PyTorch's copy of the codes would never be read.

@@ -88,6 +88,19 @@ def tiled_int4_super_blocks(factors: torch.Tensor, super_factors: torch.Tensor) 
     return torch.cat([heads.view(torch.uint8).reshape(n // 8, supers, 32), low, high], dim=2).contiguous()
 
 
+def tiled_int4_factors(factors: torch.Tensor, super_factors: torch.Tensor) -> torch.Tensor:
+    """A Q4_K record's factors (uint8 [N, K/32, 2]: each group's scale and min factor; float16
+    [N, K/256, 2]: each super-block's d and m, scale = d sc, min = m mn; models/gguf_blocks.py)
+    in the AVX-512 BF16 int4 kernel's table (csrc/cpu_gemv.cpp kInt4FactorBytes), in place of the
+    bf16 pairs: uint8 [N/16, K/256, 320], per tile of 16 output channels and super-block its 16 d
+    and 16 m (fp16), then per group its 16 scale factors and 16 min factors, a byte each."""
+    n, groups = factors.shape[:2]
+    supers = groups // 8
+    heads = super_factors.to(torch.float16).reshape(n // 16, 16, supers, 2).permute(0, 2, 3, 1).contiguous()
+    per_group = factors.reshape(n // 16, 16, supers, 8, 2).permute(0, 2, 3, 4, 1).reshape(n // 16, supers, 256)
+    return torch.cat([heads.view(torch.uint8).reshape(n // 16, supers, 64), per_group], dim=2).contiguous()
+
+
 def tiled_int6_layout(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An int6 record's codes (uint8 [N, K] 0..63; N a multiple of 8) in the kernel's tiles of 8
     output channels (csrc/cpu_gemv_avx2.cpp int6_tile): low [N/8, K/8, 32], the codes' low 4 bits as
