@@ -201,17 +201,14 @@ inline void transpose8(__m256* r) {
 #endif
 
 #ifdef TOKENMILL_AVX512_BF16
-// acc + vpdpbusd(u, the 4 signed bytes at x in every lane) and acc + vdpbf16ps(w, the bf16 pair
-// at x in every lane), the 4 bytes read by the instruction itself (an embedded broadcast,
-// {1to16}). From the intrinsics GCC emits a separate vbroadcastss or vpbroadcastd per row and
-// step, which on Zen 4 takes a slot of the vector pipes the multiplies need: int4 at 8-64 rows
-// ran at 230 GOPS a core with it, 330 without.
+// acc + vpdpbusd(u, the 4 signed bytes at x in every lane), the 4 bytes read by the instruction
+// itself (an embedded broadcast, {1to16}). From the intrinsics GCC emits a separate vbroadcastss
+// per multiply: with one multiply per broadcast (the int4 and int6 kernels, each nibble half
+// meeting its own 4 codes of x) that took int4 at 8-64 rows from 300 to 230 GOPS a core on Zen 4.
+// Where one broadcast register serves several multiplies (the bf16 tiles and panels, prefill
+// attention), keep it: a broadcast per multiply there measured 1.3x the time at 64-512 rows.
 inline __m512i dpbusd_broadcast(__m512i acc, __m512i u, const void* x) {
   asm("vpdpbusd %[x]%{1to16%}, %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [x] "m"(*static_cast<const int32_t*>(x)));
-  return acc;
-}
-inline __m512 dpbf16_broadcast(__m512 acc, __m512i w, const void* x) {
-  asm("vdpbf16ps %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*static_cast<const int32_t*>(x)));
   return acc;
 }
 

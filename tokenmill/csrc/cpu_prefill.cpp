@@ -357,10 +357,11 @@ struct Bf16Prefill : PrefillShape<Bf16Prefill<D>, uint16_t, uint32_t> {
       for (int j = 0; j < NG; ++j) acc[r][j] = _mm512_setzero_ps();
     }
     for (int64_t p = 0; p < kPairs; ++p) {
-      __m512i k[NG];
-      for (int j = 0; j < NG; ++j) k[j] = _mm512_loadu_si512(kb + p * kKeyBlock + 16 * j);
+      __m512bh k[NG];
+      for (int j = 0; j < NG; ++j) k[j] = (__m512bh)_mm512_loadu_si512(kb + p * kKeyBlock + 16 * j);
       for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < NG; ++j) acc[r][j] = tokenmill::dpbf16_broadcast(acc[r][j], k[j], qrows[r] + p);
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qrows[r][p]));
+        for (int j = 0; j < NG; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qv, k[j]);
       }
     }
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -379,11 +380,11 @@ struct Bf16Prefill : PrefillShape<Bf16Prefill<D>, uint16_t, uint32_t> {
       for (int64_t v = 0; v < kOutVecs; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * v), c);
     }
     for (int64_t jp = 0; jp < pairs; ++jp) {
-      __m512i vv[kOutVecs];
-      for (int64_t v = 0; v < kOutVecs; ++v) vv[v] = _mm512_loadu_si512(vb + jp * D + 16 * v);
+      __m512bh vv[kOutVecs];
+      for (int64_t v = 0; v < kOutVecs; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vb + jp * D + 16 * v);
       for (int r = 0; r < R; ++r) {
-        const uint32_t* pr = pb + r * (kKeyBlock / 2) + jp;
-        for (int64_t v = 0; v < kOutVecs; ++v) acc[r][v] = tokenmill::dpbf16_broadcast(acc[r][v], vv[v], pr);
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[r * (kKeyBlock / 2) + jp]));
+        for (int64_t v = 0; v < kOutVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pv, vv[v]);
       }
     }
     for (int r = 0; r < R; ++r) {
