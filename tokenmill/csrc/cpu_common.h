@@ -205,8 +205,8 @@ inline void transpose8(__m256* r) {
 // itself (an embedded broadcast, {1to16}). From the intrinsics GCC emits a separate vbroadcastss
 // per multiply: with one multiply per broadcast (the int4 and int6 kernels, each nibble half
 // meeting its own 4 codes of x) that took int4 at 8-64 rows from 300 to 230 GOPS a core on Zen 4.
-// Where one broadcast register serves several multiplies (the bf16 tiles and panels, prefill
-// attention), keep it: a broadcast per multiply there measured 1.3x the time at 64-512 rows.
+// Where one broadcast register serves several multiplies (the int8 tiles, the int8 and int6
+// panels, prefill attention), keep it: a broadcast per multiply there measured 1.3x the time at 64-512 rows.
 inline __m512i dpbusd_broadcast(__m512i acc, __m512i u, const void* x) {
   asm("vpdpbusd %[x]%{1to16%}, %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [x] "m"(*static_cast<const int32_t*>(x)));
   return acc;

@@ -733,8 +733,8 @@ void int6_tile_pair(const QuantizedRows& xq, int64_t r0, const uint8_t* low, con
 }
 #endif
 
-// tile(R, r0, t) for every tile t of 8 output channels and every group of up to kTileRows rows
-// from r0, over the threads: a panel of kPanelTiles tiles (L2-sized) takes every row group of x
+// tile(R, r0, t) for every tile t and every group of up to RowsPerPass rows from r0 (above 4,
+// the groups as even as they go), over the threads: a panel of kPanelTiles tiles (L2-sized) takes every row group of x
 // before the next panel. Each thread owns an equal run of panels and takes them from its front,
 // one at a time; a thread done with its own takes panels from the back of the run with the most
 // left. With a fixed split of a decode matmul (1 row, 2 cores) one half ended 10-20 us after the
