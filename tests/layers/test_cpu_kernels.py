@@ -669,6 +669,30 @@ def test_int6_linear_reads_a_q6_k_records_own_factors(level, rows):
     assert exact_error < 1e-5 * expected.abs().max().item() and exact_error < rounded_error / 10, (exact_error, rounded_error)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("factors", ["bf16", "q6_k"])
+def test_int6_linear_is_the_same_at_every_level(rows, factors):
+    """Each level's int6 kernel (avx512_bf16: one tile and a group of two steps a 512-bit register
+    for one row, tile pairs from two) does the avx2 level's integer sums and fp32 operations per
+    channel: the same y, bit for bit, for the bf16 scales and a Q6_K record's factors."""
+    from tokenmill.layers.linear import Int6Linear
+
+    levels = [cpu_kernels.load(isa) for isa in kernel_test_levels()]
+    if len(levels) < 2:
+        pytest.skip("one kernel level here")
+    g = torch.Generator().manual_seed(rows)
+    out_features, in_features = 48, 768
+    codes = torch.randint(0, 64, (out_features, in_features), generator=g).to(torch.uint8)
+    codes[0, :32], codes[1, :32] = 0, 63  # the code range's ends
+    scales = torch.rand(out_features, in_features // 16, generator=g) * 0.02
+    record = q6_k_record(codes, g) if factors == "q6_k" else {"codes": codes, "scales": scales}
+    layer = Int6Linear(record, None, levels[0])
+    x = torch.randn(rows, in_features, generator=g)  # fp32 at every level
+    first = levels[0].int6_linear(x, layer.low, layer.high, layer.tile_scales)
+    for other in levels[1:]:
+        assert torch.equal(other.int6_linear(x, layer.low, layer.high, layer.tile_scales), first)
+
+
 def test_int6_linear_keeps_its_int16_sums_exact_at_the_code_range_ends(level):
     """Codes 63 and 0 against x codes of +-127: a step's int16 sum of two vpmaddubsw (up to 4 x 63
     x 127 = 32004) does not saturate."""
