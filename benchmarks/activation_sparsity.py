@@ -2,7 +2,7 @@
 """Accuracy of activation sparsity (TEAL, `--activation-sparsity S`) at several S, against S = 0.
 
 Per sparsity S:
-- GPL-3 perplexity (llama.cpp's protocol, `tokenmill eval ppl`'s machinery) with every token of
+- perplexity of GPL-3 or `--ppl-text` (llama.cpp's protocol, `tokenmill eval ppl`'s machinery) with every token of
   every window sparsified (`activation_sparsity_prefill=True`): the scored second half of each
   window, and the first half it attends to too. Served, a prompt stays dense and only generated
   tokens are sparsified, so this bounds the loss from above (the context's keys and values carry
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import time
 from pathlib import Path
@@ -42,7 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--thresholds", type=Path, default=None, help="thresholds file (default: the one the engine finds)")
     p.add_argument("--calibrate-sequences", type=int, default=100,
                    help="windows of 512 tokens to calibrate on when the model has no thresholds file yet")
-    p.add_argument("--ppl-max-windows", type=int, default=None, help="score only the first N 512-token windows of GPL-3")
+    p.add_argument("--ppl-text", type=Path, default=None,
+                   help="score this text file instead of GPL-3 (which a model trained on web text may know "
+                        "nearly by heart)")
+    p.add_argument("--ppl-max-windows", type=int, default=None, help="score only the first N 512-token windows of the text")
     p.add_argument("--gsm8k-problems", type=int, default=100, help="GSM8K problems per sparsity, 0 = skip")
     p.add_argument("--gsm8k-max-tokens", type=int, default=256, help="answer length limit")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON report")
@@ -83,16 +87,17 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     from tokenmill import LLM
     from tokenmill.eval.gsm8k import evaluate_gsm8k, load_gsm8k
-    from tokenmill.eval.perplexity import gpl3_perplexity
+    from tokenmill.eval.perplexity import GPL3_PATH, gpl3_perplexity
 
     path = thresholds_file(args)
+    text = args.ppl_text or GPL3_PATH
     problems = load_gsm8k(args.gsm8k_problems) if args.gsm8k_problems > 0 else []
     engine = {"dtype": args.dtype, "quantization": args.quantization, "activation_sparsity_file": str(path)}
     rows: dict[float, dict] = {}
     for s in args.sparsities:
         start = time.perf_counter()
         llm = LLM(args.model, activation_sparsity=s, activation_sparsity_prefill=s > 0, **engine)
-        row = {"sparsity": s, "perplexity": gpl3_perplexity(llm, max_windows=args.ppl_max_windows)}
+        row = {"sparsity": s, "perplexity": gpl3_perplexity(llm, max_windows=args.ppl_max_windows, path=text)}
         del llm
         gc.collect()
         if problems:
@@ -120,11 +125,12 @@ def main(argv: list[str] | None = None) -> None:
                       f"{row['gsm8k_correct']}/{len(problems)}" if problems else "-",
                       f"{row['gsm8k_same_answer']:.0%}" if problems else "-"])
     print()
-    print_table(["sparsity", "GPL-3 ppl (all tokens sparse)", "vs dense", "GSM8K", "same answer"], table)
+    print_table(["sparsity", f"{text.name} ppl (all tokens sparse)", "vs dense", "GSM8K", "same answer"], table)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     config["thresholds"] = str(path)
     write_report(args.output, "activation_sparsity", config, list(rows.values()),
-                 gsm8k_problem_indices=[p.index for p in problems])
+                 gsm8k_problem_indices=[p.index for p in problems], ppl_text=str(text),
+                 calibration=json.loads(path.read_text())["calibration"])
 
 
 if __name__ == "__main__":

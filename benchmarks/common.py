@@ -494,12 +494,38 @@ def _union_bytes(spans) -> int:
 # -- report -------------------------------------------------------------------------------------
 
 
+# AMD's core generations by /proc/cpuinfo's (vendor, cpu family, model): a virtual machine's
+# model name is often just "AMD EPYC", and Zen 4 and Zen 5 share the AVX-512 BF16 level but not
+# its speeds (Zen 5 runs 512-bit operations at full width).
+AMD_GENERATIONS = ((25, range(0x00, 0x10), "Zen 3"), (25, range(0x20, 0x60), "Zen 3"), (25, range(0x10, 0x20), "Zen 4"),
+                   (25, range(0x60, 0x80), "Zen 4"), (25, range(0xA0, 0xB0), "Zen 4"), (26, range(0x00, 0x100), "Zen 5"))
+
+
+def cpu_generation(cpuinfo: str) -> str | None:
+    """The core generation of an AMD CPU from /proc/cpuinfo's text (None when unknown)."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break
+    if fields.get("vendor_id") != "AuthenticAMD":
+        return None
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return None
+    return next((name for f, models, name in AMD_GENERATIONS if f == family and model in models), None)
+
+
 def machine_info() -> dict:
     import torch
 
-    cpu_model = platform.processor() or None
+    cpu_model, generation = platform.processor() or None, None
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        generation = cpu_generation(cpuinfo)
+        for line in cpuinfo.splitlines():
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
@@ -510,6 +536,7 @@ def machine_info() -> dict:
 
     info = {
         "cpu_model": cpu_model,
+        "cpu_generation": generation,
         "logical_cpus": os.cpu_count(),
         "physical_cores": num_physical_cores(),
         "cpu_native_bf16": cpu_has_native_bf16(),

@@ -213,7 +213,8 @@ def host(report: dict) -> str:
     if host_class(report) == "GPU":
         gpu = m["gpu"]
         return gpu["name"] if isinstance(gpu, dict) else str(gpu)
-    text = f"{m.get('cpu_model')}, {m.get('physical_cores')} cores, {m.get('torch_threads')} torch threads"
+    generation = f" ({m['cpu_generation']})" if m.get("cpu_generation") else ""
+    text = f"{m.get('cpu_model')}{generation}, {m.get('physical_cores')} cores, {m.get('torch_threads')} torch threads"
     isa, detected = m.get("cpu_isa"), m.get("cpu_isa_detected")
     if isa:
         text += f", kernels at {isa}" + (f" (the CPU has {detected})" if detected and detected != isa else "")

@@ -104,6 +104,25 @@ def test_a_script_report_becomes_a_table():
     assert "measured 2026-01-01" in m.render(record)
 
 
+def test_a_host_line_names_the_cpu_generation(monkeypatch):
+    """A virtual machine's model name is often "AMD EPYC" alone: the report's generation (from
+    /proc/cpuinfo's family and model) goes beside it, since Zen 4 and Zen 5 share a level."""
+    m = load_script("bench_tables")
+    report = {**REPORT, "machine": {**REPORT["machine"], "cpu_generation": "Zen 5"}}
+    assert m.host(report).startswith("X (Zen 5), 2 cores")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from common import cpu_generation
+
+    def cpuinfo(vendor, family, model):
+        return f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n\nprocessor\t: 1\n"
+
+    assert cpu_generation(cpuinfo("AuthenticAMD", 25, 17)) == "Zen 4"
+    assert cpu_generation(cpuinfo("AuthenticAMD", 25, 1)) == "Zen 3"
+    assert cpu_generation(cpuinfo("AuthenticAMD", 26, 2)) == "Zen 5"
+    assert cpu_generation(cpuinfo("GenuineIntel", 6, 143)) is None
+    assert cpu_generation("") is None
+
+
 def test_a_view_computes_its_cells_from_the_report_and_nothing_else():
     m = load_script("bench_tables")
     record = {"name": "t", "title": "t", "peers": "p", "report": REPORT, "columns": ["engine", "tok/s", "ratio"],
