@@ -1033,6 +1033,20 @@ at::Tensor int4_wide_linear(const at::Tensor& x, const at::Tensor& packed, const
 #endif
 
 namespace {
+// run(scales_of), scales_of(t) giving tile t's scale reader: Int6SuperBlocks over a Q6_K record's
+// factors (uint8), GroupScales over bf16 scales.
+template <typename Run>
+void with_tile_scales(const at::Tensor& scales, int64_t K, const Run& run) {
+  if (scales.scalar_type() == at::kByte) {
+    const uint8_t* sp = scales.data_ptr<uint8_t>();
+    const int64_t tile_bytes = K / 256 * Int6SuperBlocks::kBytes;
+    run([=](int64_t t) { return Int6SuperBlocks{sp + t * tile_bytes}; });
+  } else {
+    const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
+    run([=](int64_t t) { return GroupScales{sp + t * K / 2}; });
+  }
+}
+
 // int6_linear with x and y of dtype T (float; bf16 at avx512_bf16).
 template <typename T>
 at::Tensor int6_linear_as(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales) {
@@ -1044,55 +1058,31 @@ at::Tensor int6_linear_as(const at::Tensor& x, const at::Tensor& low, const at::
   T* out = y.data_ptr<T>();
 #ifdef TOKENMILL_AVX512_BF16
   if (M == 1) {  // one tile at a time, a group a 512-bit register (int6_tile_one_row)
-    const auto tiles_of = [&](const auto& scales_of) {
+    with_tile_scales(scales, K, [&](const auto& scales_of) {
       over_tiles(tiles, 1, [&](auto, int64_t, int64_t t) {
         int6_tile_one_row(xq, lp + t * K * 4, hp + t * K * 2, scales_of(t), out, t * 8);
       });
-    };
-    if (scales.scalar_type() == at::kByte) {
-      const uint8_t* sp = scales.data_ptr<uint8_t>();
-      const int64_t tile_bytes = K / 256 * Int6SuperBlocks::kBytes;
-      tiles_of([&](int64_t t) { return Int6SuperBlocks{sp + t * tile_bytes}; });
-    } else {
-      const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
-      tiles_of([&](int64_t t) { return GroupScales{sp + t * K / 2}; });
-    }
+    });
     return y;
   }
   // Tile pairs from 2 rows, 8 rows a pass, 4 pairs a panel (Qwen2.5-1.5B's Q6_K shapes, weights
   // in memory: 0.7x the time of tiles of 8 at 5-16 rows, the same at 2-4). Not for one row:
   // pairs read two streams of codes a thread and took 1.07x int6_tile's time on Zen 4.
-  if (tiles % 2 == 0 && M > 1) {
-    const auto pairs = [&](const auto& scales_of) {
+  if (tiles % 2 == 0) {
+    with_tile_scales(scales, K, [&](const auto& scales_of) {
       over_tiles<8, 4>(tiles / 2, M, [&](auto r, int64_t r0, int64_t pair) {
         const int64_t t = 2 * pair;
         int6_tile_pair<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, K, scales_of(t), scales_of(t + 1),
                                            out, N, t * 8);
       });
-    };
-    if (scales.scalar_type() == at::kByte) {
-      const uint8_t* sp = scales.data_ptr<uint8_t>();
-      const int64_t tile_bytes = K / 256 * Int6SuperBlocks::kBytes;
-      pairs([&](int64_t t) { return Int6SuperBlocks{sp + t * tile_bytes}; });
-    } else {
-      const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
-      pairs([&](int64_t t) { return GroupScales{sp + t * K / 2}; });
-    }
-    return y;
-  }
-#endif
-  if (scales.scalar_type() == at::kByte) {  // Int6SuperBlocks
-    const uint8_t* sp = scales.data_ptr<uint8_t>();
-    const int64_t tile_bytes = K / 256 * Int6SuperBlocks::kBytes;
-    over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
-      int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, Int6SuperBlocks{sp + t * tile_bytes}, out,
-                                    N, t * 8);
     });
     return y;
   }
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
-  over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
-    int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, GroupScales{sp + t * K / 2}, out, N, t * 8);
+#endif
+  with_tile_scales(scales, K, [&](const auto& scales_of) {
+    over_tiles(tiles, M, [&](auto r, int64_t r0, int64_t t) {
+      int6_tile<decltype(r)::value>(xq, r0, lp + t * K * 4, hp + t * K * 2, scales_of(t), out, N, t * 8);
+    });
   });
   return y;
 }
