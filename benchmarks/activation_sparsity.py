@@ -2,8 +2,8 @@
 """Accuracy of activation sparsity (TEAL, `--activation-sparsity S`) at several S, against S = 0.
 
 Per sparsity S:
-- perplexity of GPL-3 or `--ppl-text` (llama.cpp's protocol, `tokenmill eval ppl`'s machinery) with every token of
-  every window sparsified (`activation_sparsity_prefill=True`): the scored second half of each
+- perplexity of GPL-3 or `--ppl-text` (llama.cpp's protocol, `tokenmill eval ppl`'s machinery)
+  with every token of every window sparsified (`activation_sparsity_prefill=True`): the scored second half of each
   window, and the first half it attends to too. Served, a prompt stays dense and only generated
   tokens are sparsified, so this bounds the loss from above (the context's keys and values carry
   the thresholds' error as well), rather than sparsifying only the scored tokens;

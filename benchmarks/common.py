@@ -501,14 +501,20 @@ AMD_GENERATIONS = ((25, range(0x00, 0x10), "Zen 3"), (25, range(0x20, 0x60), "Ze
                    (25, range(0x60, 0x80), "Zen 4"), (25, range(0xA0, 0xB0), "Zen 4"), (26, range(0x00, 0x100), "Zen 5"))
 
 
-def cpu_generation(cpuinfo: str) -> str | None:
-    """The core generation of an AMD CPU from /proc/cpuinfo's text (None when unknown)."""
-    fields = {}
+def first_processor(cpuinfo: str) -> dict[str, str]:
+    """The fields of /proc/cpuinfo's first processor block."""
+    fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
         if not line.strip():
             break
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_generation(cpuinfo: str) -> str | None:
+    """The core generation of an AMD CPU from /proc/cpuinfo's text (None when unknown)."""
+    fields = first_processor(cpuinfo)
     if fields.get("vendor_id") != "AuthenticAMD":
         return None
     try:
@@ -524,11 +530,8 @@ def machine_info() -> dict:
     cpu_model, generation = platform.processor() or None, None
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
+        cpu_model = first_processor(cpuinfo).get("model name", cpu_model)
         generation = cpu_generation(cpuinfo)
-        for line in cpuinfo.splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
     except OSError:
         pass
     from tokenmill.config import cpu_has_native_bf16, num_physical_cores
